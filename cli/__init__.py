@@ -1,0 +1,1 @@
+"""sparkq command-line entry points (spark-convert, sparkq)."""

@@ -1,0 +1,155 @@
+"""Console entry points: ``spark-convert`` and ``sparkq``.
+
+Every user-facing failure is one line on stderr (``error: ...``) and exit code 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+convert_app = typer.Typer(add_completion=False, help="Convert a bf16 HF checkpoint, Hub repo id or GGUF file into a sparkq int4 artifact.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="sparkq: run small LLMs on CPUs with little RAM.")
+
+
+def _user_errors():
+    from sparkq.convert.errors import ConvertError
+    from sparkq.formats import ArtifactError, LayoutError, SpecError
+    errs = [ConvertError, ArtifactError, LayoutError, SpecError]
+    try:
+        from sparkq.runtime.errors import RuntimeUserError
+        errs.append(RuntimeUserError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errs)
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _run(fn, *a, **kw):
+    try:
+        return fn(*a, **kw)
+    except _user_errors() as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted; nothing was written")
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
+
+
+def print_convert_summary(s: dict) -> None:
+    src = s["source"]
+    rows = [
+        ("source", f"{src.get('kind')}: {src.get('id')}" + (f"@{src['revision']}" if src.get("revision") else "")),
+        ("output", s["output"]),
+        ("family / method", f"{s['family']} / {s['method']}"),
+        ("layout", s["layout"]),
+        ("tensors", str(s["tensors"])),
+        ("source -> artifact", f"{_mib(s['source_bytes'])} -> {_mib(s['artifact_bytes'])} "
+                               f"({s['artifact_bytes'] / max(1, s['source_bytes']):.1%})"),
+        ("bits / weight", f"{s['bits_per_weight']:.3f} (whole file, {s['parameters']:,} params)"),
+        ("tied embedding", "yes, stored once (lm_head)" if s["tied_embeddings"] else "no (embed + lm_head)"),
+        ("group sizes", ", ".join(f"{k}: {v} linears" for k, v in s["group_sizes"].items())),
+        ("group size by role", ", ".join(f"{k}={v}" for k, v in s["group_size_by_role"].items())),
+    ]
+    for role, e in s["rel_error_by_role"].items():
+        rows.append((f"rel. error {role}", f"mean {e['mean']:.4f}, max {e['max']:.4f}"))
+    rows += [
+        ("time", f"{s['seconds']:.1f} s"),
+        ("peak RSS (sampled)", f"{s['peak_rss_mib']:.0f} MiB (at start {s['start_rss_mib']:.0f} MiB; "
+                               f"largest source tensor {s['largest_source_tensor_mib']:.1f} MiB)"),
+    ]
+    typer.echo("sparkq conversion summary\n" + _table(rows))
+
+
+@convert_app.command()
+def convert(
+    source: str = typer.Argument(..., help="HF checkpoint dir, Hub repo id org/name[@revision], or a .gguf file"),
+    out: str = typer.Argument(..., help="output artifact directory (must not exist unless --force)"),
+    group_size: int = typer.Option(128, "--group-size", help="int4 group size along K (32, 64, 128, 256)"),
+    target: str = typer.Option("native", "--target", help="packed layout: native|avx512|avx2|default"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe TOML overriding the built-in one"),
+    method: str = typer.Option("minmax", "--method", help="quantization method"),
+    force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+):
+    """Convert SOURCE into a sparkq int4 artifact at OUT."""
+    from sparkq.convert.pipeline import Options, convert as do_convert
+
+    s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json)))
+    if as_json:
+        typer.echo(json.dumps(s, indent=1))
+    else:
+        print_convert_summary(s)
+
+
+@app.command()
+def inspect(artifact: str, as_json: bool = typer.Option(False, "--json")):
+    """Layout, group sizes, bytes per role, bits per weight, tied or not, source."""
+    from sparkq.formats import Artifact
+
+    s = _run(lambda: Artifact.open(artifact).summary())
+    if as_json:
+        typer.echo(json.dumps(s, indent=1))
+        return
+    rows = [("artifact", s["path"]), ("format version", str(s["format_version"])), ("layout", s["layout"]),
+            ("family / method", f"{s['family']} / {s['method']}"),
+            ("tied embedding", str(s["tied_embeddings"])),
+            ("source", json.dumps(s["source"])),
+            ("group sizes", ", ".join(f"{k}: {v}" for k, v in s["group_sizes"].items())),
+            ("weights file", _mib(s["weights_file_bytes"])),
+            ("bits / weight", f"{s['bits_per_weight']:.3f} overall, {s['bits_per_weight_linears']:.3f} quantized linears")]
+    rows += [(f"bytes {k}", _mib(v)) for k, v in s["bytes_by_role"].items()]
+    typer.echo(_table(rows))
+
+
+@app.command()
+def verify(artifact: str):
+    """Recompute every tensor digest: exit 0 if all match, 2 naming the first bad tensor."""
+    from tqdm import tqdm
+
+    from sparkq.formats import Artifact
+
+    art = _run(Artifact.open, artifact)
+    size = art.weights_path.stat().st_size
+    with tqdm(total=size, unit="B", unit_scale=True, desc="verify", leave=False, disable=not sys.stderr.isatty()) as bar:
+        bad = art.verify(progress=bar.update)
+    if bad:
+        _fail(f"tensor {bad!r} does not match its sha256 in the manifest: the artifact is corrupt, re-download or re-convert it")
+    typer.echo(f"ok: {len(art.manifest['tensors'])} tensors verified ({_mib(size)})")
+
+
+@app.command("import-gguf")
+def import_gguf(gguf_file: str, out_dir: str, force: bool = typer.Option(False, "--force"),
+                as_json: bool = typer.Option(False, "--json")):
+    """Write the standard bf16 HF checkpoint (config, safetensors, tokenizer, chat template) of a GGUF file."""
+    from sparkq.convert.pipeline import import_gguf as do_import
+
+    s = _run(do_import, gguf_file, out_dir, force, not as_json)
+    if as_json:
+        typer.echo(json.dumps(s, indent=1))
+    else:
+        typer.echo(_table([("source", s["source"]["id"]), ("output", s["output"]), ("tensors", str(s["tensors"])),
+                           ("weights", _mib(s["bytes"])), ("files", ", ".join(s["files"])),
+                           ("time", f"{s['seconds']:.1f} s")]))
+
+
+def convert_main():  # console script: spark-convert
+    convert_app()
+
+
+def sparkq_main():  # console script: sparkq
+    app()

@@ -1,0 +1,1 @@
+"""sparkq.convert: HF / Hub / GGUF checkpoints -> sparkq artifacts (writes through sparkq.formats)."""

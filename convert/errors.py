@@ -1,0 +1,5 @@
+"""The converter's one user-facing error type: a one-line message naming problem and fix."""
+
+
+class ConvertError(Exception):
+    pass

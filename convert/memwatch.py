@@ -1,0 +1,46 @@
+"""Sample this process's resident memory (RssAnon + RssFile) in a background thread."""
+from __future__ import annotations
+
+import threading
+
+
+def rss_kib() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:", "VmHWM:", "VmRSS:")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0])
+    return out
+
+
+class RssSampler:
+    """``with RssSampler(0.005) as s: ...`` then ``s.peak_kib`` / ``s.start_kib``."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.peak_kib = 0
+        self.start_kib = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        r = rss_kib()
+        v = r.get("RssAnon", 0) + r.get("RssFile", 0) + r.get("RssShmem", 0)
+        self.peak_kib = max(self.peak_kib, v)
+        return v
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        self.start_kib = self.sample()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.sample()
+        return False

@@ -1,0 +1,300 @@
+"""spark-convert: source checkpoint -> sparkq artifact. Orchestration only.
+
+Plan every output tensor from the config and the source headers (no data read), write
+the aligned header, then stream: one source tensor (or fused group) at a time, in row
+blocks aligned to the layout's blocks, quantize -> pack -> write -> hash.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sparkq.formats import constants as C
+from sparkq.formats.artifact import quantization_config
+from sparkq.formats.layout import LAYOUTS, LayoutError, check_shape, get_layout, host_layout, pack_rows
+from sparkq.formats.spec import ModelSpec, SpecError, choose_group_size, linear_tensors, recipe_for_config, role_of
+from sparkq.formats.tensorfile import TensorFileWriter
+
+from .errors import ConvertError
+from .memwatch import RssSampler
+from .output import atomic_dir
+from .quantize import METHODS, quantize_rows
+from .source import Source, open_source
+
+ROW_CHUNK_ELEMS = 256 << 10  # float32 elements per row block (1 MiB): keeps peak RSS low
+
+
+def sparkq_version() -> str:
+    try:
+        return version("sparkq")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass
+class Options:
+    group_size: int = 128
+    target: str = "native"
+    recipe: str | None = None
+    method: str = "minmax"
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class PlannedLinear:
+    name: str
+    n: int
+    k: int
+    group_size: int | None
+    sources: list[str]
+
+    @property
+    def kind(self) -> str:
+        return C.KIND_INT4 if self.group_size else C.KIND_BF16
+
+
+def _target_layout(target: str) -> str:
+    if target == "native":
+        try:
+            return host_layout()
+        except LayoutError as e:
+            raise ConvertError(f"{e}; pass --target avx512|avx2|default") from None
+    if target not in LAYOUTS:
+        raise ConvertError(f"unknown --target {target!r}; choose native, {', '.join(LAYOUTS)}")
+    return target
+
+
+def plan(source: Source, opts: Options):
+    try:
+        recipe = recipe_for_config(source.config, opts.recipe)
+        spec = ModelSpec.from_config(source.config, recipe.family)
+    except SpecError as e:
+        raise ConvertError(str(e)) from None
+    if opts.group_size not in C.GROUP_SIZES:
+        raise ConvertError(f"--group-size {opts.group_size} is not supported; choose one of {C.GROUP_SIZES}")
+    if opts.method not in METHODS:
+        raise ConvertError(f"unknown --method {opts.method!r}; choose one of {', '.join(METHODS)}")
+    srcs = recipe.source_names(spec)
+    for module, names in srcs.items():
+        for n in names:
+            if n not in source.shapes:
+                raise ConvertError(f"source has no tensor {n!r} (needed for {module}); the checkpoint is incomplete "
+                                   f"or not a {recipe.family} model (override with --recipe FILE)")
+    linears: list[PlannedLinear] = []
+    shapes = spec.linear_shapes()
+    for name, (n, k) in shapes.items():
+        parts = srcs[name]
+        rows = spec.part_rows(name)
+        for p, r in zip(parts, rows):
+            if tuple(source.shapes[p]) != (r, k):
+                raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, config implies {[r, k]}; "
+                                   "config.json and weights disagree")
+        g = choose_group_size(n, k, recipe, role_of(name), opts.group_size)
+        linears.append(PlannedLinear(name, n, k, g, parts))
+    vectors = spec.vector_shapes()
+    for name, shape in vectors.items():
+        p = srcs[name.removesuffix(".weight")][0]
+        if tuple(source.shapes[p]) != shape:
+            raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, expected {list(shape)}")
+    return recipe, spec, linears, vectors, srcs
+
+
+def _ordered_entries(linears: list[PlannedLinear], vectors: dict, spec: ModelSpec):
+    """(tensor name, dtype, shape) in file order: layer by layer, then globals."""
+    by_name = {l.name: l for l in linears}
+    order = []
+    for i in range(spec.layers):
+        order += [f"layers.{i}.attn_norm.weight", f"layers.{i}.qkv", f"layers.{i}.o",
+                  f"layers.{i}.mlp_norm.weight", f"layers.{i}.gate_up", f"layers.{i}.down"]
+    order += ["norm.weight"] + ([C.ROLE_EMBED] if not spec.tied else []) + [C.ROLE_LM_HEAD]
+    entries = []
+    for item in order:
+        if item in by_name:
+            l = by_name[item]
+            for t, (dt, shp) in linear_tensors(l.name, l.kind, l.n, l.k, l.group_size).items():
+                entries.append((t, dt, shp))
+        else:
+            entries.append((item, C.DTYPE_BF16, vectors[item]))
+    return entries, order
+
+
+def _read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of the virtual concatenation of the parts along N."""
+    out, base = [], 0
+    for p, rows in zip(parts, part_rows):
+        a, b = max(r0, base), min(r1, base + rows)
+        if a < b:
+            out.append(source.read_rows(p, a - base, b - base))
+        base += rows
+    return out[0] if len(out) == 1 else torch.cat(out, 0)
+
+
+def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: PlannedLinear, layout: str,
+                  method: str, bar) -> float:
+    part_rows = spec.part_rows(lin.name)
+    lay = get_layout(layout)
+    chunk = max(lay.block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
+    err = ref = 0.0
+    if lin.kind == C.KIND_BF16:
+        w.begin(f"{lin.name}.weight")
+        for r0 in range(0, lin.n, chunk):
+            rows = _read_fused_rows(source, lin.sources, part_rows, r0, min(lin.n, r0 + chunk))
+            w.write(rows.to(torch.bfloat16).view(torch.uint8).numpy())
+            bar.update(rows.numel() * 2)
+        w.end()
+        return 0.0
+    check_shape(lin.n, lin.k)
+    sz_parts = []
+    w.begin(f"{lin.name}.qweight")
+    for r0 in range(0, lin.n, chunk):
+        r1 = min(lin.n, r0 + chunk)
+        rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
+        codes, sz, e, rf = quantize_rows(rows, lin.group_size, method)
+        err += e
+        ref += rf
+        w.write(pack_rows(codes.numpy(), lay, lin.n))
+        sz_parts.append(sz)
+        bar.update((r1 - r0) * lin.k // 2)
+    w.end()
+    sz = torch.cat(sz_parts, dim=1).contiguous()
+    w.put(f"{lin.name}.scales_zeros", sz.view(torch.uint8).numpy())
+    bar.update(sz.numel() * 2)
+    return (err / ref) ** 0.5 if ref > 0 else 0.0
+
+
+def _carry_files(source: Source, tmp: Path) -> list[str]:
+    carried = []
+    for name, data in source.extra_files.items():
+        (tmp / name).write_bytes(data)
+        carried.append(name)
+    if source.directory is not None:
+        for name in C.TOKENIZER_FILES:
+            p = source.directory / name
+            if p.is_file() and name not in source.extra_files:
+                shutil.copyfile(p, tmp / name)
+                carried.append(name)
+    return sorted(carried)
+
+
+def convert(src: str, out: str, opts: Options) -> dict:
+    t0 = time.perf_counter()
+    with RssSampler() as mem:
+        source = open_source(src)
+        try:
+            layout = _target_layout(opts.target)
+            recipe, spec, linears, vectors, srcs = plan(source, opts)
+            entries, order = _ordered_entries(linears, vectors, spec)
+            by_name = {l.name: l for l in linears}
+            meta = {"format": C.FORMAT_NAME, "format_version": str(C.FORMAT_VERSION), "layout": layout}
+            total = sum(C.DTYPE_BYTES[d] * int(torch.Size(s).numel()) for _, d, s in entries)
+            src_bytes = sum(source.nbytes(p) for names in srcs.values() for p in names)
+            errors: dict[str, float] = {}
+            with atomic_dir(out, opts.force) as tmp:
+                w = TensorFileWriter(str(tmp / C.WEIGHTS_FILE), entries, meta)
+                with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not opts.progress,
+                          leave=False) as bar:
+                    for item in order:
+                        bar.set_postfix_str(item, refresh=False)
+                        if item in by_name:
+                            try:
+                                errors[item] = _write_linear(w, source, spec, by_name[item], layout, opts.method, bar)
+                            except LayoutError as e:
+                                raise ConvertError(f"{item}: {e}") from None
+                        else:
+                            p = srcs[item.removesuffix(".weight")][0]
+                            v = source.read_rows(p, 0, vectors[item][0]).to(torch.bfloat16)
+                            w.put(item, v.view(torch.uint8).numpy())
+                            bar.update(v.numel() * 2)
+                w.close()
+                lin_meta = {
+                    l.name: {"kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size, "sources": l.sources,
+                             "rel_error": round(errors[l.name], 6)}
+                    for l in linears
+                }
+                manifest = {
+                    "format": C.FORMAT_NAME,
+                    "format_version": C.FORMAT_VERSION,
+                    "layout": layout,
+                    "family": recipe.family,
+                    "method": opts.method,
+                    "bits": C.BITS,
+                    "group_size": opts.group_size,
+                    "tied": spec.tied,
+                    "converter": {"name": "sparkq", "version": sparkq_version()},
+                    "source": source.origin,
+                    "linears": lin_meta,
+                    "tensors": {n: {"sha256": d} for n, d in w.digests.items()},
+                }
+                config = dict(source.config)
+                config["quantization_config"] = quantization_config(layout, opts.group_size, opts.method)
+                (tmp / C.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+                (tmp / C.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+                carried = _carry_files(source, tmp)
+                art_bytes = (tmp / C.WEIGHTS_FILE).stat().st_size
+        finally:
+            source.close()
+    elapsed = time.perf_counter() - t0
+    groups: dict[str, list[str]] = {}
+    for l in linears:
+        groups.setdefault(f"g{l.group_size}" if l.group_size else "bf16", []).append(l.name)
+    params = sum(l.n * l.k for l in linears) + sum(s[0] for s in vectors.values())
+    largest = max(source.nbytes(p) for names in srcs.values() for p in names)
+    by_role: dict[str, list[float]] = {}
+    for n, e in errors.items():
+        if by_name[n].kind == C.KIND_INT4:
+            by_role.setdefault(role_of(n), []).append(e)
+    return {
+        "source": source.origin,
+        "output": str(Path(out).absolute()),
+        "family": recipe.family,
+        "layout": layout,
+        "method": opts.method,
+        "tensors": len(entries),
+        "source_bytes": src_bytes,
+        "artifact_bytes": art_bytes,
+        "bits_per_weight": 8 * art_bytes / params,
+        "parameters": params,
+        "tied_embeddings": spec.tied,
+        "group_sizes": {g: len(v) for g, v in groups.items()},
+        "group_size_by_role": {role_of(l.name): (l.group_size or "bf16") for l in linears},
+        "rel_error_by_role": {r: {"mean": sum(v) / len(v), "max": max(v)} for r, v in by_role.items()},
+        "carried_files": carried,
+        "seconds": elapsed,
+        "peak_rss_mib": mem.peak_kib / 1024,
+        "start_rss_mib": mem.start_kib / 1024,
+        "largest_source_tensor_mib": largest / 2**20,
+    }
+
+
+def import_gguf(src: str, out: str, force: bool = False, progress: bool = True) -> dict:
+    """Write the standard bf16 HF checkpoint equivalent to a GGUF file."""
+    from .gguf_source import GGUFSource
+
+    p = Path(src)
+    if not p.is_file():
+        raise ConvertError(f"{src}: no such GGUF file")
+    t0 = time.perf_counter()
+    source = GGUFSource(p)
+    names = sorted(source.shapes)
+    entries = [(n, C.DTYPE_BF16, source.shapes[n]) for n in names]
+    with atomic_dir(out, force) as tmp:
+        w = TensorFileWriter(str(tmp / "model.safetensors"), entries, {"format": "pt"})
+        for n in tqdm(names, desc="import-gguf", disable=not progress, leave=False):
+            rows = source.shapes[n][0]
+            w.put(n, source.read_rows(n, 0, rows).to(torch.bfloat16).contiguous().view(torch.uint8).numpy())
+            source._cache = None
+        w.close()
+        (tmp / C.CONFIG_FILE).write_text(json.dumps(source.config, indent=2, sort_keys=True))
+        carried = _carry_files(source, tmp)
+        size = (tmp / "model.safetensors").stat().st_size
+    return {"source": source.origin, "output": str(Path(out).absolute()), "tensors": len(names),
+            "bytes": size, "files": ["config.json", "model.safetensors", *carried],
+            "seconds": time.perf_counter() - t0}

@@ -1,0 +1,152 @@
+"""Source checkpoints: a local HF dir (single file or shards), a Hub repo id, or a GGUF file.
+
+A source gives the HF config, the shapes of its tensors (from headers, no data read),
+and reads rows of one tensor at a time with ``pread``: nothing is memory-mapped, so the
+converter's resident memory stays near the block it is working on, not the model.
+Nothing is ever unpickled: only safetensors and GGUF are read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sparkq.formats import constants as C
+from sparkq.formats.tensorfile import TensorFileError, read_header
+
+from .errors import ConvertError
+
+SRC_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+@dataclass
+class Source:
+    config: dict
+    shapes: dict[str, tuple[int, ...]]
+    origin: dict  # {"kind": "dir"|"hub"|"gguf", "id": ..., "revision": ...}
+    directory: Path | None = None  # where tokenizer files etc. live
+    extra_files: dict[str, bytes] = field(default_factory=dict)  # generated files (GGUF)
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def nbytes(self, name: str) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsSource(Source):
+    def __init__(self, directory: Path, origin: dict):
+        cfg_path = directory / "config.json"
+        if not cfg_path.is_file():
+            raise ConvertError(f"{directory}: no config.json; give a Hugging Face checkpoint directory, a repo id, or a .gguf file")
+        try:
+            config = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{cfg_path}: not valid JSON ({e.__class__.__name__}); fix or re-download the checkpoint") from None
+        files = self._weight_files(directory)
+        self.where: dict[str, tuple[Path, object]] = {}
+        shapes = {}
+        for f in files:
+            try:
+                infos, _ = read_header(str(f), require_alignment=False)
+            except TensorFileError as e:
+                raise ConvertError(str(e)) from None
+            for name, info in infos.items():
+                self.where[name] = (f, info)
+                shapes[name] = info.shape
+        super().__init__(config=config, shapes=shapes, origin=origin, directory=directory)
+        self._fds: dict[Path, int] = {}
+
+    @staticmethod
+    def _weight_files(directory: Path) -> list[Path]:
+        idx = directory / "model.safetensors.index.json"
+        if idx.is_file():
+            try:
+                wm = json.loads(idx.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConvertError(f"{idx}: not a valid safetensors index (needs 'weight_map'); re-download the checkpoint") from None
+            files = sorted({directory / v for v in wm.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ConvertError(f"{directory}: shard {missing[0]} named in model.safetensors.index.json is missing; download all shards")
+            return files
+        single = directory / "model.safetensors"
+        if single.is_file():
+            return [single]
+        if list(directory.glob("*.bin")) or list(directory.glob("*.pth")):
+            raise ConvertError(f"{directory}: only pickle weights (.bin/.pth) found; sparkq never unpickles, use a safetensors checkpoint")
+        raise ConvertError(f"{directory}: no model.safetensors or model.safetensors.index.json; give a safetensors checkpoint")
+
+    def nbytes(self, name: str) -> int:
+        return self.where[name][1].nbytes
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        path, info = self.where[name]
+        if info.dtype not in SRC_DTYPES:
+            raise ConvertError(f"{path.name}: tensor {name} has dtype {info.dtype}; sparkq converts bf16/fp16/fp32 checkpoints only")
+        row = (info.nbytes // info.shape[0]) if info.shape and info.shape[0] else info.nbytes
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        n = (r1 - r0) * row
+        buf = bytearray(n)
+        got = os.preadv(fd, [buf], info.start + r0 * row)
+        if got != n:
+            raise ConvertError(f"{path.name}: tensor {name} is truncated; re-download the checkpoint")
+        t = torch.frombuffer(buf, dtype=SRC_DTYPES[info.dtype]) if n else torch.empty(0, dtype=SRC_DTYPES[info.dtype])
+        rest = info.shape[1:] if len(info.shape) > 1 else ()
+        return t.view(r1 - r0, *rest).to(torch.float32)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+# Files fetched from the Hub for a conversion (never pickles).
+HUB_PATTERNS = ["config.json", "model.safetensors", "model-*.safetensors", "model.safetensors.index.json",
+                *C.TOKENIZER_FILES]
+
+
+def resolve_hub(repo: str, revision: str | None = None, allow_patterns=None) -> Path:
+    """Download (or find in the HF cache) a Hub repo's needed files; honours HF_HUB_OFFLINE."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        p = snapshot_download(repo, revision=revision, allow_patterns=allow_patterns or HUB_PATTERNS)
+    except RepositoryNotFoundError:
+        raise ConvertError(f"Hub repo {repo!r} not found (or private: log in with `hf auth login`)") from None
+    except LocalEntryNotFoundError:
+        raise ConvertError(f"Hub repo {repo!r} is not in the local HF cache and the Hub is unreachable or HF_HUB_OFFLINE is set; "
+                           "download it once online") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ConvertError(f"Hub repo {repo!r}: download failed ({str(e).splitlines()[0]})") from None
+    return Path(p)
+
+
+def open_source(src: str) -> Source:
+    p = Path(src)
+    if p.is_file() and p.suffix == ".gguf":
+        from .gguf_source import GGUFSource
+        return GGUFSource(p)
+    if p.is_dir():
+        return SafetensorsSource(p, {"kind": "dir", "id": str(p.resolve())})
+    if p.exists():
+        raise ConvertError(f"{src}: not a checkpoint directory or a .gguf file")
+    if REPO_ID.match(src) and not src.startswith((".", "/")):
+        repo, _, rev = src.partition("@")
+        d = resolve_hub(repo, rev or None)
+        return SafetensorsSource(d, {"kind": "hub", "id": repo, "revision": rev or "main", "snapshot": d.name})
+    raise ConvertError(f"{src}: no such file or directory (and not a Hub repo id of the form org/name[@revision])")
+
+

@@ -1,0 +1,238 @@
+"""Open, validate, map and verify a sparkq artifact directory.
+
+``Artifact.open(dir)`` checks, before mapping anything: the format name and version,
+the layout id, that config.json, the manifest and the weights header agree, and that
+every tensor the config requires is present with the dtype, shape and group size the
+format prescribes (spec.py). ``Artifact.map()`` then returns tensors that are views
+into one private memory map of the weights file: no copy, no repack, no dtype change.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import constants as C
+from .layout import LAYOUTS
+from .spec import ModelSpec, SpecError, linear_tensors
+from .tensorfile import TensorFileError, TensorInfo, read_header
+
+
+class ArtifactError(ValueError):
+    """One-line, user-facing problem with an artifact (names what and how to fix)."""
+
+
+TORCH_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
+
+
+def quantization_config(layout: str, group_size: int, method: str) -> dict:
+    return {
+        "quant_method": C.QUANT_METHOD,
+        "format": C.FORMAT_NAME,
+        "format_version": C.FORMAT_VERSION,
+        "bits": C.BITS,
+        "group_size": group_size,
+        "layout": layout,
+        "method": method,
+        "weights_file": C.WEIGHTS_FILE,
+        "note": "sparkq int4 artifact: load with sparkq.runtime.load(), not transformers",
+    }
+
+
+@dataclass
+class LinearEntry:
+    name: str
+    kind: str
+    n: int
+    k: int
+    group_size: int | None
+    sources: list
+    rel_error: float | None
+
+    @property
+    def role(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: missing; {what}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e.__class__.__name__}); the artifact is corrupt, re-download or re-convert it") from None
+    if not isinstance(d, dict):
+        raise ArtifactError(f"{path}: expected a JSON object; the artifact is corrupt")
+    return d
+
+
+class Artifact:
+    def __init__(self, path: Path, config: dict, manifest: dict, infos: dict[str, TensorInfo],
+                 spec: ModelSpec, linears: dict[str, LinearEntry]):
+        self.path = path
+        self.config = config
+        self.manifest = manifest
+        self.infos = infos
+        self.spec = spec
+        self.linears = linears
+        self.layout: str = manifest["layout"]
+        self.weights_path = path / C.WEIGHTS_FILE
+
+    # ---------------------------------------------------------------- open/validate
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Artifact":
+        path = Path(path)
+        if not path.is_dir():
+            raise ArtifactError(f"{path}: not a directory; give the artifact directory written by spark-convert")
+        if not (path / C.MANIFEST_FILE).exists():
+            hint = " (this looks like a plain HF checkpoint: convert it with spark-convert)" if (path / "config.json").exists() else ""
+            raise ArtifactError(f"{path}: no {C.MANIFEST_FILE}, not a sparkq artifact{hint}")
+        config = _load_json(path / C.CONFIG_FILE, "the artifact is incomplete, re-convert it")
+        manifest = _load_json(path / C.MANIFEST_FILE, "the artifact is incomplete, re-convert it")
+        m = manifest
+        if m.get("format") != C.FORMAT_NAME:
+            raise ArtifactError(f"{path}: manifest format is {m.get('format')!r}, expected {C.FORMAT_NAME!r}")
+        if m.get("format_version") != C.FORMAT_VERSION:
+            raise ArtifactError(f"{path}: format version {m.get('format_version')!r} is not supported by this sparkq "
+                                f"(reads version {C.FORMAT_VERSION}); upgrade sparkq or re-convert")
+        if m.get("layout") not in LAYOUTS:
+            raise ArtifactError(f"{path}: unknown packed layout {m.get('layout')!r}; known: {', '.join(LAYOUTS)}")
+        qc = config.get("quantization_config")
+        if not isinstance(qc, dict) or qc.get("quant_method") != C.QUANT_METHOD or qc.get("layout") != m["layout"]:
+            raise ArtifactError(f"{path}: config.json quantization_config does not match the manifest; the artifact is inconsistent, re-convert it")
+        wpath = path / C.WEIGHTS_FILE
+        if not wpath.exists():
+            raise ArtifactError(f"{wpath}: missing; the artifact is incomplete, re-download or re-convert it")
+        try:
+            infos, meta = read_header(str(wpath))
+        except TensorFileError as e:
+            raise ArtifactError(str(e)) from None
+        if meta.get("format") != C.FORMAT_NAME or meta.get("layout") != m["layout"] or meta.get("format_version") != str(C.FORMAT_VERSION):
+            raise ArtifactError(f"{wpath}: header metadata {meta} does not match the manifest; re-convert")
+        try:
+            spec = ModelSpec.from_config(config, m.get("family", "llama"))
+        except SpecError as e:
+            raise ArtifactError(f"{path}/config.json: {e}") from None
+        if bool(m.get("tied")) != spec.tied:
+            raise ArtifactError(f"{path}: manifest says tied={m.get('tied')} but config.json says tie_word_embeddings={spec.tied}")
+        linears = cls._validate_tensors(path, m, infos, spec)
+        return cls(path, config, manifest, infos, spec, linears)
+
+    @staticmethod
+    def _validate_tensors(path: Path, m: dict, infos: dict[str, TensorInfo], spec: ModelSpec) -> dict[str, LinearEntry]:
+        lin_meta = m.get("linears")
+        tens_meta = m.get("tensors")
+        if not isinstance(lin_meta, dict) or not isinstance(tens_meta, dict):
+            raise ArtifactError(f"{path}: manifest lacks 'linears'/'tensors' objects; re-convert")
+        expected: dict[str, tuple[str, tuple]] = {}
+        linears = {}
+        for name, (n, k) in spec.linear_shapes().items():
+            e = lin_meta.get(name)
+            if not isinstance(e, dict):
+                raise ArtifactError(f"{path}: linear {name!r} missing from the manifest (config needs it); re-convert")
+            kind, g = e.get("kind"), e.get("group_size")
+            if kind == C.KIND_INT4 and (type(g) is not int or g not in C.GROUP_SIZES or k % g):
+                raise ArtifactError(f"{path}: linear {name!r} has group size {g!r}, which does not divide K={k} or is not one of {C.GROUP_SIZES}")
+            if (e.get("n"), e.get("k")) != (n, k):
+                raise ArtifactError(f"{path}: linear {name!r} is {e.get('n')}x{e.get('k')} in the manifest but the config needs {n}x{k}")
+            try:
+                expected.update(linear_tensors(name, kind, n, k, g))
+            except SpecError as err:
+                raise ArtifactError(f"{path}: {err}") from None
+            rel = e.get("rel_error")
+            linears[name] = LinearEntry(name, kind, n, k, g if kind == C.KIND_INT4 else None,
+                                        list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None)
+        for name, shape in spec.vector_shapes().items():
+            expected[name] = (C.DTYPE_BF16, shape)
+        for name, (dtype, shape) in expected.items():
+            t = infos.get(name)
+            if t is None:
+                raise ArtifactError(f"{path}: tensor {name!r} is missing from {C.WEIGHTS_FILE}; the artifact is incomplete, re-convert")
+            if t.dtype != dtype or t.shape != tuple(shape):
+                raise ArtifactError(f"{path}: tensor {name!r} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
+            d = tens_meta.get(name)
+            if not isinstance(d, dict) or not isinstance(d.get("sha256"), str) or len(d["sha256"]) != 64:
+                raise ArtifactError(f"{path}: manifest has no sha256 for tensor {name!r}; re-convert")
+        extra = [n for n in infos if n not in expected and not n.startswith(C.PAD_PREFIX)]
+        if extra:
+            raise ArtifactError(f"{path}: unexpected tensor {extra[0]!r} in {C.WEIGHTS_FILE} (not in the format for this config)")
+        return linears
+
+    # ---------------------------------------------------------------- data access
+    def map(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a view into one private mmap of the weights file."""
+        size = os.path.getsize(self.weights_path)
+        storage = torch.UntypedStorage.from_file(str(self.weights_path), shared=False, nbytes=size)
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        out = {}
+        for name, t in self.infos.items():
+            if name.startswith(C.PAD_PREFIX):
+                continue
+            dt = TORCH_DTYPES[t.dtype]
+            view = flat[t.start:t.start + t.nbytes]
+            out[name] = view.view(dt).view(t.shape) if t.nbytes else torch.empty(t.shape, dtype=dt)
+        return out
+
+    def verify(self, progress=None) -> str | None:
+        """Recompute every tensor digest; returns the first mismatching tensor name or None."""
+        expected = self.manifest["tensors"]
+        with open(self.weights_path, "rb") as f:
+            for name, t in sorted(self.infos.items(), key=lambda kv: kv[1].start):
+                if name.startswith(C.PAD_PREFIX):
+                    continue
+                f.seek(t.start)
+                h = hashlib.sha256()
+                left = t.nbytes
+                while left:
+                    chunk = f.read(min(left, 8 << 20))
+                    if not chunk:
+                        return name
+                    h.update(chunk)
+                    left -= len(chunk)
+                    if progress:
+                        progress(len(chunk))
+                if h.hexdigest() != expected[name]["sha256"]:
+                    return name
+        return None
+
+    # ---------------------------------------------------------------- reporting
+    def summary(self) -> dict:
+        """Layout, group sizes, per-role bytes and bits per weight (inspect's data)."""
+        roles: dict[str, int] = {}
+        groups: dict[str, int] = {}
+        q_params = q_bytes = 0
+        for lin in self.linears.values():
+            b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size))
+            role = lin.role if not lin.name.startswith("layers.") else lin.role
+            roles[role] = roles.get(role, 0) + b
+            key = f"g{lin.group_size}" if lin.kind == C.KIND_INT4 else "bf16"
+            groups[key] = groups.get(key, 0) + 1
+            q_params += lin.n * lin.k
+            q_bytes += b
+        norm_bytes = sum(t.nbytes for n, t in self.infos.items() if n.endswith("norm.weight"))
+        roles["norms"] = norm_bytes
+        total = os.path.getsize(self.weights_path)
+        params = q_params + sum(t.shape[0] for n, t in self.infos.items() if n.endswith("norm.weight"))
+        return {
+            "path": str(self.path),
+            "format_version": self.manifest["format_version"],
+            "layout": self.layout,
+            "method": self.manifest.get("method"),
+            "family": self.spec.family,
+            "tied_embeddings": self.spec.tied,
+            "source": self.manifest.get("source"),
+            "group_sizes": groups,
+            "bytes_by_role": roles,
+            "weights_file_bytes": total,
+            "parameters": params,
+            "bits_per_weight": 8 * total / params,
+            "bits_per_weight_linears": 8 * q_bytes / q_params,
+            "linears": {n: {"kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size, "rel_error": l.rel_error}
+                        for n, l in self.linears.items()},
+        }

@@ -1,0 +1,66 @@
+"""Names and numbers shared by every sparkq artifact (format version 1).
+
+An artifact is one directory::
+
+    config.json                 source HF config + "quantization_config" (see below)
+    model.sparkq.safetensors    every tensor, 64-byte aligned (safetensors-compatible)
+    sparkq.json                 the manifest: per-linear and per-tensor metadata
+    tokenizer.json, tokenizer_config.json, generation_config.json, ... (copied)
+
+The weights file is deliberately *not* called ``model.safetensors``, and
+``quantization_config.quant_method`` is ``"sparkq"``: a plain
+``transformers.AutoModelForCausalLM.from_pretrained`` therefore fails (no weights it
+can read) instead of building a randomly initialised model.
+
+Tensor names (``L`` is the layer index)::
+
+    <linear>.qweight        uint8 [N, K/2]      packed int4 codes (layout.py)
+    <linear>.scales_zeros   bf16  [K/g, N, 2]   per-group scale, zero
+    <linear>.weight         bf16  [N, K]        a linear kept in bf16
+    <norm>.weight           bf16  [D]
+    <linear>.bias           bf16  [N]
+
+    linears: layers.L.qkv (q|k|v rows), layers.L.o, layers.L.gate_up (gate|up rows),
+             layers.L.down, lm_head, embed (only when the embedding is not tied)
+    norms:   layers.L.attn_norm, layers.L.mlp_norm, norm
+    _pad.I   uint8 [n]  alignment padding between tensors (ignored by readers)
+
+A tied embedding is stored once, as ``lm_head``: the runtime gathers and dequantizes
+embedding rows from it.
+"""
+
+FORMAT_NAME = "sparkq"
+FORMAT_VERSION = 1
+QUANT_METHOD = "sparkq"
+WEIGHTS_FILE = "model.sparkq.safetensors"
+MANIFEST_FILE = "sparkq.json"
+CONFIG_FILE = "config.json"
+ALIGNMENT = 64
+GROUP_SIZES = (32, 64, 128, 256)
+BITS = 4
+PAD_PREFIX = "_pad."
+
+# Files carried from the source checkpoint into the artifact when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+# Roles of linears in the artifact.
+ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN = "qkv", "o", "gate_up", "down"
+ROLE_LM_HEAD, ROLE_EMBED = "lm_head", "embed"
+LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)
+LAYER_NORMS = ("attn_norm", "mlp_norm")
+
+KIND_INT4 = "int4"
+KIND_BF16 = "bf16"
+
+# safetensors dtype strings we use
+DTYPE_U8 = "U8"
+DTYPE_BF16 = "BF16"
+DTYPE_BYTES = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I8": 1, "I32": 4, "F64": 8,
+               "I64": 8, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}

@@ -1,0 +1,186 @@
+"""Packed int4 byte layouts read by ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
+
+A quantized linear has ``N`` output rows and ``K`` input columns, with 4-bit codes
+``q[n, k]`` in 0..15 and the kernel's dequantization ``w = (q - 8) * scale + zero``.
+The packed tensor is ``uint8 [N, K/2]`` (that is only its nominal shape: the bytes are
+not row-major). Rows are cut into blocks of ``B`` rows (``block_rows``); block ``b``
+covers rows ``b*B .. b*B+nb-1`` where ``nb = min(B, N - b*B)`` (always a multiple of
+16) and its bytes start at ``b * B * K / 2``. Inside a block the bytes are k-major:
+column ``k`` of the block occupies ``nb/2`` bytes at ``k * nb/2``. Byte ``j`` of that
+column holds two codes, low nibble first:
+
+=========  ===  ===========================================  ===========================
+layout      B   full block (nb == B), byte j                  tail block (nb < B)
+=========  ===  ===========================================  ===========================
+avx512     64   ``q[j] | q[j+32] << 4``  (j in 0..31)         ``q[2j] | q[2j+1] << 4``
+avx2       32   ``q[j] | q[j+16] << 4``  (j in 0..15)         ``q[2j] | q[2j+1] << 4``
+default    32   ``q[2j] | q[2j+1] << 4`` (j in 0..15)         ``q[2j] | q[2j+1] << 4``
+=========  ===  ===========================================  ===========================
+
+(``q[r]`` means row ``b*B + r`` of the block, at column ``k``.) The layout is chosen by
+the CPU capability torch dispatches to (``torch.backends.cpu.get_cpu_capability()``),
+so bytes packed for one capability are silent garbage under another: every artifact
+names its layout and readers check it against the host.
+
+``scales_zeros`` is a separate, contiguous bf16 tensor ``[K/g, N, 2]``: ``[..., 0]``
+the scale and ``[..., 1]`` the zero of group ``k // g`` of row ``n``.
+
+This module is pure numpy/torch and never calls torch's own packer (the tests compare
+against it byte for byte under every ``ATEN_CPU_CAPABILITY``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    block_rows: int
+    interleaved: bool  # full blocks pair row j with row j + B/2 (else neighbours)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "avx512": Layout("avx512", 64, True),
+    "avx2": Layout("avx2", 32, True),
+    "default": Layout("default", 32, False),
+}
+
+# torch.backends.cpu.get_cpu_capability() -> layout name
+CAPABILITY_TO_LAYOUT = {"AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "default"}
+LAYOUT_TO_CAPABILITY = {v: k.lower() for k, v in CAPABILITY_TO_LAYOUT.items()}
+
+
+class LayoutError(ValueError):
+    pass
+
+
+def get_layout(name: str) -> Layout:
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise LayoutError(
+            f"unknown packed layout {name!r}; known layouts: {', '.join(LAYOUTS)}"
+        ) from None
+
+
+def host_layout() -> str:
+    """The layout the int4 kernel reads on this host (honours ATEN_CPU_CAPABILITY)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    try:
+        return CAPABILITY_TO_LAYOUT[cap]
+    except KeyError:
+        raise LayoutError(
+            f"torch's CPU capability {cap!r} has no known int4 layout "
+            f"(supported: {', '.join(CAPABILITY_TO_LAYOUT)})"
+        ) from None
+
+
+def check_shape(n: int, k: int) -> None:
+    if n % 16 or n <= 0:
+        raise LayoutError(f"int4 packing needs N % 16 == 0, got N={n}")
+    if k % 2 or k <= 0:
+        raise LayoutError(f"int4 packing needs an even K, got K={k}")
+
+
+def _pairs(codes: np.ndarray, layout: Layout, full: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Split one block's rows [nb, K] into (low-nibble rows, high-nibble rows)."""
+    if full and layout.interleaved:
+        h = layout.block_rows // 2
+        return codes[:h], codes[h:]
+    return codes[0::2], codes[1::2]
+
+
+def pack_rows(codes: np.ndarray, layout: str | Layout, n_total: int) -> np.ndarray:
+    """Pack uint8 codes for rows ``[r0, r0+len)`` of an ``n_total``-row matrix.
+
+    ``r0`` must be a multiple of the block size, and ``len`` too unless the slice ends
+    at ``n_total``. Returns the bytes (flat uint8) that lie contiguously at byte offset
+    ``r0 * K / 2`` of the packed tensor.
+    """
+    lay = get_layout(layout) if isinstance(layout, str) else layout
+    codes = np.ascontiguousarray(codes, dtype=np.uint8)
+    rows, k = codes.shape
+    B = lay.block_rows
+    out = np.empty(rows * k // 2, dtype=np.uint8)
+    nfull = rows // B
+    if nfull:
+        blk = codes[: nfull * B].reshape(nfull, B, k)
+        if lay.interleaved:
+            lo, hi = blk[:, : B // 2], blk[:, B // 2 :]
+        else:
+            lo, hi = blk[:, 0::2], blk[:, 1::2]
+        packed = (lo | (hi << 4)).transpose(0, 2, 1)  # [nfull, K, B/2]
+        out[: nfull * B * k // 2] = packed.reshape(-1)
+    tail = rows - nfull * B
+    if tail:
+        t = codes[nfull * B :]
+        lo, hi = t[0::2], t[1::2]
+        out[nfull * B * k // 2 :] = (lo | (hi << 4)).T.reshape(-1)
+    return out
+
+
+def unpack(packed: torch.Tensor | np.ndarray, layout: str | Layout, n: int, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_rows` for a whole matrix: uint8 codes ``[N, K]``."""
+    lay = get_layout(layout) if isinstance(layout, str) else layout
+    flat = torch.as_tensor(packed).reshape(-1)
+    B = lay.block_rows
+    nfull = n // B
+    parts = []
+    if nfull:
+        blk = flat[: nfull * B * k // 2].reshape(nfull, k, B // 2)
+        lo, hi = blk & 0xF, blk >> 4
+        if lay.interleaved:
+            rows = torch.cat([lo, hi], dim=2)  # [nfull, K, B]
+        else:
+            rows = torch.stack([lo, hi], dim=3).reshape(nfull, k, B)
+        parts.append(rows.transpose(1, 2).reshape(nfull * B, k))
+    tail = n - nfull * B
+    if tail:
+        t = flat[nfull * B * k // 2 :].reshape(k, tail // 2)
+        rows = torch.stack([t & 0xF, t >> 4], dim=2).reshape(k, tail)
+        parts.append(rows.T)
+    return torch.cat(parts, 0) if len(parts) > 1 else parts[0].contiguous()
+
+
+def row_addressing(rows: torch.Tensor, layout: str | Layout, n: int, k: int):
+    """For each row index: (byte offset of its column 0, bytes per column step, nibble shift)."""
+    lay = get_layout(layout) if isinstance(layout, str) else layout
+    B = lay.block_rows
+    rows = rows.to(torch.int64)
+    b = rows // B
+    j = rows - b * B
+    nb = torch.clamp(n - b * B, max=B)
+    full = nb == B
+    if lay.interleaved:
+        byte = torch.where(full, j % (B // 2), j // 2)
+        shift = torch.where(full, (j >= B // 2).to(torch.int64) * 4, (j % 2) * 4)
+    else:
+        byte = j // 2
+        shift = (j % 2) * 4
+    base = b * (B * k // 2) + byte
+    return base, nb // 2, shift
+
+
+def gather_rows(packed: torch.Tensor, layout: str | Layout, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[len(rows), K]`` of the given rows, read straight from packed bytes."""
+    base, step, shift = row_addressing(rows, layout, n, k)
+    ks = torch.arange(k, dtype=torch.int64)
+    idx = base[:, None] + ks[None, :] * step[:, None]
+    flat = packed.reshape(-1)
+    return (flat[idx] >> shift[:, None].to(torch.uint8)) & 0xF
+
+
+def dequantize_codes(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(q - 8) * scale + zero`` for codes ``[R, K]`` and scales_zeros ``[K/g, R, 2]``."""
+    r, k = codes.shape
+    g = group_size
+    sz = scales_zeros.to(torch.float32)
+    scale = sz[..., 0].T.reshape(r, k // g, 1)
+    zero = sz[..., 1].T.reshape(r, k // g, 1)
+    w = (codes.to(torch.float32).reshape(r, k // g, g) - 8.0) * scale + zero
+    return w.reshape(r, k).to(dtype)

@@ -1,0 +1,225 @@
+"""Model geometry from a Hugging Face config, recipes, and the artifact's expected tensors.
+
+``ModelSpec`` is the architecture-neutral description both sides agree on; ``Recipe``
+(a TOML data file in ``recipes/``) maps a family's HF tensor names to sparkq roles.
+``expected_linears`` / ``expected_vectors`` give every artifact tensor's name and
+logical shape, so the converter writes and the runtime reads against one definition.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from . import constants as C
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    family: str
+    architectures: tuple[str, ...]
+    global_names: dict
+    layer_prefix: str
+    layer_names: dict
+    group_size: int = 128
+    group_size_fallbacks: tuple[int, ...] = (64, 32)
+    keep_bf16: tuple[str, ...] = ()
+    path: str = ""
+
+    def layer_sources(self, role: str, i: int) -> list[str]:
+        v = self.layer_names[role]
+        names = v if isinstance(v, list) else [v]
+        pre = self.layer_prefix.format(i=i)
+        return [pre + n for n in names]
+
+    def source_names(self, spec: "ModelSpec") -> dict[str, list[str]]:
+        """Artifact module name -> HF source tensor names (parts in fusion order)."""
+        out: dict[str, list[str]] = {}
+        for i in range(spec.layers):
+            for role in C.LAYER_LINEARS + C.LAYER_NORMS:
+                out[f"layers.{i}.{role}"] = self.layer_sources(role, i)
+        out["norm"] = [self.global_names["norm"]]
+        if spec.tied:
+            out[C.ROLE_LM_HEAD] = [self.global_names["embed"]]
+        else:
+            out[C.ROLE_EMBED] = [self.global_names["embed"]]
+            out[C.ROLE_LM_HEAD] = [self.global_names["lm_head"]]
+        return out
+
+
+def _recipe_from_dict(d: dict, path: str) -> Recipe:
+    try:
+        q = d.get("quant", {})
+        return Recipe(
+            family=d["family"],
+            architectures=tuple(d["architectures"]),
+            global_names=dict(d["global"]),
+            layer_prefix=d["layer"]["prefix"],
+            layer_names={k: v for k, v in d["layer"].items() if k != "prefix"},
+            group_size=int(q.get("group_size", 128)),
+            group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
+            keep_bf16=tuple(q.get("keep_bf16", ())),
+            path=path,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecError(f"recipe {path}: missing or bad field {e}; see recipes/llama.toml for the schema") from None
+
+
+def builtin_recipes() -> dict[str, Recipe]:
+    out = {}
+    for f in sorted(resources.files("sparkq.recipes").iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".toml"):
+            r = _recipe_from_dict(tomllib.loads(f.read_text()), f.name)
+            out[r.family] = r
+    return out
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"recipe file {p} not found; pass an existing .toml to --recipe")
+    try:
+        d = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"recipe file {p} is not valid TOML ({e}); fix the file") from None
+    return _recipe_from_dict(d, str(p))
+
+
+def recipe_for_config(config: dict, override: str | Path | None = None) -> Recipe:
+    if override:
+        return load_recipe(override)
+    archs = config.get("architectures") or []
+    recipes = builtin_recipes()
+    for r in recipes.values():
+        if any(a in r.architectures for a in archs):
+            return r
+    supported = sorted(a for r in recipes.values() for a in r.architectures)
+    raise SpecError(
+        f"unknown architecture {archs or config.get('model_type')!r}; supported: "
+        f"{', '.join(supported)}; write a recipe (see recipes/llama.toml) and pass --recipe FILE"
+    )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    rms_eps: float
+    rope_theta: float
+    max_position: int
+    rope_scaling: dict | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_config(cls, cfg: dict, family: str = "llama") -> "ModelSpec":
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            spec = cls(
+                family=family,
+                hidden=hidden,
+                layers=int(cfg["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate=int(cfg["intermediate_size"]),
+                vocab=int(cfg["vocab_size"]),
+                tied=bool(cfg.get("tie_word_embeddings", False)),
+                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                max_position=int(cfg.get("max_position_embeddings", 2048)),
+                rope_scaling=cfg.get("rope_scaling"),
+            )
+        except KeyError as e:
+            raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
+        except (TypeError, ValueError) as e:
+            raise SpecError(f"config.json has a bad value ({e})") from None
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
+            v = getattr(spec, name)
+            if not 0 < v < 1 << 24:
+                raise SpecError(f"config.json: {name}={v} is out of range")
+        if spec.heads % spec.kv_heads:
+            raise SpecError(f"config.json: {spec.heads} heads is not a multiple of {spec.kv_heads} kv heads")
+        rs = spec.rope_scaling
+        if rs and rs.get("rope_type", rs.get("type")) not in (None, "default", "llama3", "linear"):
+            raise SpecError(f"config.json: rope_scaling {rs.get('rope_type', rs.get('type'))!r} is not supported yet")
+        return spec
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Artifact linear name -> (N, K)."""
+        out = {}
+        for i in range(self.layers):
+            out[f"layers.{i}.qkv"] = (self.q_dim + 2 * self.kv_dim, self.hidden)
+            out[f"layers.{i}.o"] = (self.hidden, self.q_dim)
+            out[f"layers.{i}.gate_up"] = (2 * self.intermediate, self.hidden)
+            out[f"layers.{i}.down"] = (self.hidden, self.intermediate)
+        if not self.tied:
+            out[C.ROLE_EMBED] = (self.vocab, self.hidden)
+        out[C.ROLE_LM_HEAD] = (self.vocab, self.hidden)
+        return out
+
+    def part_rows(self, name: str) -> list[int]:
+        """Rows of each fused part (q, k, v) or (gate, up); one entry for unfused."""
+        role = name.rsplit(".", 1)[-1]
+        if role == C.ROLE_QKV:
+            return [self.q_dim, self.kv_dim, self.kv_dim]
+        if role == C.ROLE_GATE_UP:
+            return [self.intermediate, self.intermediate]
+        return [self.linear_shapes()[name][0]]
+
+    def vector_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Artifact norm tensor name -> shape (all bf16)."""
+        out = {}
+        for i in range(self.layers):
+            for n in C.LAYER_NORMS:
+                out[f"layers.{i}.{n}.weight"] = (self.hidden,)
+        out["norm.weight"] = (self.hidden,)
+        return out
+
+
+def role_of(linear_name: str) -> str:
+    return linear_name.rsplit(".", 1)[-1]
+
+
+def linear_tensors(name: str, kind: str, n: int, k: int, group_size: int | None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (safetensors dtype, shape) of one linear in the artifact."""
+    if kind == C.KIND_INT4:
+        if group_size not in C.GROUP_SIZES or k % group_size:
+            raise SpecError(f"{name}: group size {group_size} does not divide K={k}")
+        return {
+            f"{name}.qweight": (C.DTYPE_U8, (n, k // 2)),
+            f"{name}.scales_zeros": (C.DTYPE_BF16, (k // group_size, n, 2)),
+        }
+    if kind == C.KIND_BF16:
+        return {f"{name}.weight": (C.DTYPE_BF16, (n, k))}
+    raise SpecError(f"{name}: unknown linear kind {kind!r}")
+
+
+def choose_group_size(n: int, k: int, recipe: Recipe, role: str, requested: int | None = None) -> int | None:
+    """The group size a linear gets, or None for bf16 (recipe rules; see recipes/llama.toml)."""
+    if role in recipe.keep_bf16 or n % 16:
+        return None
+    first = requested or recipe.group_size
+    for g in (first, *recipe.group_size_fallbacks):
+        if g in C.GROUP_SIZES and g <= first and k % g == 0:
+            return g
+    return None

@@ -1,0 +1,1 @@
+"""Per-architecture recipes (data files): HF tensor names -> sparkq roles."""
