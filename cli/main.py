@@ -153,3 +153,59 @@ def convert_main():  # console script: spark-convert
 
 def sparkq_main():  # console script: sparkq
     app()
+
+
+def _rss_mib() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:", "VmHWM:")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) / 1024
+    return out
+
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="artifact dir, Hub repo id org/name[@revision], or a bf16 HF checkpoint dir"),
+    prompt: str = typer.Argument(...),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    max_model_len: int = typer.Option(2048, "--max-model-len"),
+    kv_budget_mib: float = typer.Option(192, "--kv-budget-mib"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    no_prefill_dequant: bool = typer.Option(False, "--no-prefill-dequant", help="prefill with the int4 kernel too"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token ids, stats)"),
+):
+    """Generate text; streams tokens, then prints one stats line."""
+    from sparkq.runtime import load
+
+    m = _run(load, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads,
+             prefill_dequant=not no_prefill_dequant)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    if as_json:
+        r = _run(m.generate, prompt, chat=chat, **kw)
+        r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout,
+                          threads=torch_threads(), rss_mib=_rss_mib())
+        typer.echo(json.dumps(r))
+        return
+
+    def run_stream():
+        for piece in m.stream(prompt, chat=chat, **kw):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    _run(run_stream)
+    st, rss = m.last_stats, _rss_mib()
+    typer.echo(f"\n[load {m.info.load_seconds:.2f} s | prefill {st.prompt_tokens} tok {st.prefill_tok_s:.1f} tok/s | "
+               f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | RSS anon {rss['RssAnon']:.0f} MiB + "
+               f"file {rss['RssFile']:.0f} MiB (peak {rss['VmHWM']:.0f}) | threads {torch_threads()} | "
+               f"layout {m.info.layout or 'bf16 checkpoint'}]", err=True)
+
+
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()

@@ -128,7 +128,7 @@ class GGUFSource(Source):
             arr = unpermute(arr, self.heads)
         elif name.endswith("self_attn.k_proj.weight"):
             arr = unpermute(arr, self.kv_heads)
-        out = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+        out = torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))  # copies only if needed
         self._cache = (name, out)  # one tensor at a time
         return out
 

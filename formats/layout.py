@@ -184,3 +184,36 @@ def dequantize_codes(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size
     zero = sz[..., 1].T.reshape(r, k // g, 1)
     w = (codes.to(torch.float32).reshape(r, k // g, g) - 8.0) * scale + zero
     return w.reshape(r, k).to(dtype)
+
+
+def dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, layout: str | Layout, n: int, k: int,
+                 group_size: int, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize rows ``[0, n)`` of a packed slice into ``out`` = W^T, shape ``[K, n]``.
+
+    Works in the packed (k-major) order, so the only transpose is the write into
+    ``out``; ``packed`` is the flat byte slice of those rows (starting on a block
+    boundary) and ``scales_zeros`` the matching ``[K/g, n, 2]`` slice.
+    ``w = (q - 8) * scale + zero`` is computed in ``out.dtype``.
+    """
+    lay = get_layout(layout) if isinstance(layout, str) else layout
+    g, B, dt = group_size, lay.block_rows, out.dtype
+    flat = packed.reshape(-1)
+    sz = scales_zeros.to(dt)
+    nfull = n // B
+    if nfull:
+        blk = flat[: nfull * B * k // 2].view(nfull, k, B // 2)
+        lo, hi = blk & 0xF, blk >> 4
+        codes = torch.cat([lo, hi], -1) if lay.interleaved else torch.stack([lo, hi], -1).view(nfull, k, B)
+        c = codes.to(dt).view(nfull, k // g, g, B)
+        s = sz[:, : nfull * B, 0].reshape(k // g, nfull, B).permute(1, 0, 2).unsqueeze(2)
+        z = sz[:, : nfull * B, 1].reshape(k // g, nfull, B).permute(1, 0, 2).unsqueeze(2)
+        dst = out[:, : nfull * B].view(k // g, g, nfull, B).permute(2, 0, 1, 3)
+        torch.addcmul(z - 8 * s, c, s, out=dst)
+    tail = n - nfull * B
+    if tail:
+        t = flat[nfull * B * k // 2:].view(k, tail // 2)
+        c = torch.stack([t & 0xF, t >> 4], -1).view(k // g, g, tail).to(dt)
+        s = sz[:, nfull * B:, 0].unsqueeze(1)
+        z = sz[:, nfull * B:, 1].unsqueeze(1)
+        torch.addcmul(z - 8 * s, c, s, out=out[:, nfull * B:].view(k // g, g, tail))
+    return out

@@ -1,0 +1,160 @@
+"""``sparkq.runtime.load``: artifact dir, Hub repo id, or bf16 HF checkpoint -> LoadedModel."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparkq.formats import constants as C
+from sparkq.formats.artifact import Artifact, ArtifactError
+from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, LayoutError, host_layout
+from sparkq.formats.spec import ModelSpec, SpecError, recipe_for_config
+
+from .errors import RuntimeUserError
+from .generate import Generator
+from .model import KVCache, Model
+from .tokenizer import ChatTokenizer
+from .weights import DenseLinear, Scratch, linears_from_artifact
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+DEFAULT_KV_BUDGET_MIB = 192
+
+
+@dataclass
+class LoadInfo:
+    source: str
+    kind: str  # "artifact" | "bf16"
+    layout: str | None
+    load_seconds: float
+    kv_capacity: int
+    kv_bytes: int
+    rope_bytes: int
+    max_model_len: int
+    extra: dict = field(default_factory=dict)
+
+
+def _resolve(path_or_repo: str) -> Path:
+    p = Path(path_or_repo)
+    if p.exists():
+        return p
+    if REPO_ID.match(path_or_repo):
+        from .hub import download_artifact
+        return download_artifact(path_or_repo)
+    raise RuntimeUserError(f"{path_or_repo}: no such directory (and not a Hub repo id org/name[@revision])")
+
+
+def check_layout(art_layout: str) -> None:
+    try:
+        host = host_layout()
+    except LayoutError as e:
+        raise RuntimeUserError(str(e)) from None
+    if art_layout != host:
+        raise RuntimeUserError(
+            f"artifact is packed for the {art_layout} layout but torch on this host runs the "
+            f"{LAYOUT_TO_CAPABILITY[host]} int4 kernel (layout {host}); re-convert with "
+            f"`spark-convert SRC OUT --target {host}` (or `--target native`)")
+
+
+def _kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float) -> int:
+    if max_model_len <= 0:
+        raise RuntimeUserError(f"max_model_len must be positive, got {max_model_len}")
+    if kv_budget_mib <= 0:
+        raise RuntimeUserError(f"kv_budget_mib must be positive, got {kv_budget_mib}")
+    if max_model_len > spec.max_position:
+        raise RuntimeUserError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                               f"{spec.max_position}; lower --max-model-len")
+    per_tok = KVCache.bytes_per_token(spec)
+    cap = min(max_model_len, int(kv_budget_mib * 2**20) // per_tok)
+    if cap < 1:
+        raise RuntimeUserError(f"a KV budget of {kv_budget_mib} MiB holds no token ({per_tok} bytes each); raise --kv-budget-mib")
+    return cap
+
+
+def _load_bf16_checkpoint(path: Path):
+    """An unquantized HF checkpoint, through the same recipe (the fidelity reference)."""
+    from safetensors import safe_open
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        recipe = recipe_for_config(config)
+        spec = ModelSpec.from_config(config, recipe.family)
+    except FileNotFoundError:
+        raise RuntimeUserError(f"{path}: neither a sparkq artifact nor an HF checkpoint (no config.json)") from None
+    except SpecError as e:
+        raise RuntimeUserError(f"{path}: {e}") from None
+    idx = path / "model.safetensors.index.json"
+    files = sorted({path / f for f in json.loads(idx.read_text())["weight_map"].values()}) if idx.exists() \
+        else [path / "model.safetensors"]
+    handles = {}
+    for f in files:
+        if not f.exists():
+            raise RuntimeUserError(f"{f}: missing; the checkpoint is incomplete")
+        h = safe_open(str(f), "pt")
+        for k in h.keys():
+            handles[k] = h
+
+    def get(name):
+        if name not in handles:
+            raise RuntimeUserError(f"{path}: tensor {name} missing from the checkpoint")
+        return handles[name].get_tensor(name).to(torch.bfloat16)
+
+    srcs = recipe.source_names(spec)
+    linears = {}
+    for name in spec.linear_shapes():
+        parts = [get(n) for n in srcs[name]]
+        linears[name] = DenseLinear(name, parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+    norms = {n: get(srcs[n.removesuffix(".weight")][0]) for n in spec.vector_shapes()}
+    return config, spec, linears, norms
+
+
+def load(path_or_repo_id: str, *, max_model_len: int = 2048, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
+         threads: int | None = None, prefill_dequant: bool = True, verify: bool = False) -> "LoadedModel":
+    """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference)."""
+    t0 = time.perf_counter()
+    if threads:
+        torch.set_num_threads(int(threads))
+    path = _resolve(str(path_or_repo_id))
+    if (path / C.MANIFEST_FILE).exists():
+        try:
+            art = Artifact.open(path)
+        except ArtifactError as e:
+            raise RuntimeUserError(str(e)) from None
+        check_layout(art.layout)
+        if verify:
+            bad = art.verify()
+            if bad:
+                raise RuntimeUserError(f"{path}: tensor {bad!r} does not match its sha256; the artifact is corrupt, re-download or re-convert it")
+        tensors = art.map()
+        spec, config = art.spec, art.config
+        scratch = Scratch()
+        linears = linears_from_artifact(art, tensors, scratch, prefill_dequant)
+        norms = {n: tensors[n] for n in spec.vector_shapes()}
+        kind, layout = "artifact", art.layout
+    else:
+        config, spec, linears, norms = _load_bf16_checkpoint(path)
+        kind, layout, tensors = "bf16", None, None
+    cap = _kv_capacity(spec, max_model_len, kv_budget_mib)
+    model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap)
+    tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
+    info = LoadInfo(str(path_or_repo_id), kind, layout, time.perf_counter() - t0, cap, model.cache.nbytes,
+                    sum(r.nbytes for r in model.ropes), max_model_len)
+    return LoadedModel(model, tok, info, tensors)
+
+
+class LoadedModel(Generator):
+    def __init__(self, model: Model, tokenizer: "ChatTokenizer", info: LoadInfo, tensors):
+        super().__init__(model, tokenizer)
+        self.info = info
+        self.tensors = tensors  # the mapped views (None for bf16 checkpoints)
+
+    @property
+    def capacity(self) -> int:
+        return self.model.capacity
+
+    def logits(self, token_ids) -> torch.Tensor:
+        return self.model.logits(token_ids)

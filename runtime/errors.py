@@ -1,0 +1,5 @@
+"""The runtime's user-facing error: one line naming the problem and the fix."""
+
+
+class RuntimeUserError(Exception):
+    pass

@@ -1,0 +1,179 @@
+"""The decoder (Llama family: RMSNorm, SwiGLU, GQA, rotate-half RoPE, tied or untied head).
+
+One model for every weight source: linears are ``Int4Linear`` (mapped artifact) or
+``DenseLinear`` (bf16 checkpoint). Per-layer attention settings (``LayerCfg``: RoPE
+table, sliding window) are data, so families that vary them per layer are additions,
+not a second model. Batch size 1; activations bf16, 2-D ``[tokens, features]``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sparkq.formats.spec import ModelSpec
+
+from .errors import RuntimeUserError
+
+
+def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    rs = spec.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.to(torch.float32)
+
+
+class Rope:
+    """cos/sin tables sized to max_model_len (never max_position_embeddings), bf16 [L, rotary_dim]."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, rotary_dim: int, theta: float):
+        inv = rope_inv_freq(spec, rotary_dim, theta)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(torch.bfloat16)
+        self.sin = emb.sin().to(torch.bfloat16)
+        self.rotary_dim = rotary_dim
+        self.key = (theta, rotary_dim)
+
+    def apply(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        """x: [T, heads, D] -> rotated (first rotary_dim features)."""
+        t = x.shape[0]
+        cos = self.cos[pos0:pos0 + t, None, :]
+        sin = self.sin[pos0:pos0 + t, None, :]
+        r = self.rotary_dim
+        xr = x[..., :r]
+        h = r // 2
+        rot = torch.cat([-xr[..., h:], xr[..., :h]], dim=-1)
+        out = xr * cos + rot * sin
+        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cos.numel() * 2 + self.sin.numel() * 2
+
+
+@dataclass
+class LayerCfg:
+    rope: Rope
+    window: int | None = None  # sliding window (tokens), None = full attention
+
+
+class KVCache:
+    """Preallocated once: [layers, kv_heads, capacity, head_dim] bf16 for k and for v."""
+
+    def __init__(self, spec: ModelSpec, capacity: int):
+        shape = (spec.layers, spec.kv_heads, capacity, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=torch.bfloat16)
+        self.v = torch.zeros(shape, dtype=torch.bfloat16)
+        self.capacity = capacity
+
+    @staticmethod
+    def bytes_per_token(spec: ModelSpec) -> int:
+        return 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * 2 + self.v.numel() * 2
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class Model:
+    def __init__(self, spec: ModelSpec, linears: dict, norms: dict[str, torch.Tensor], *,
+                 max_model_len: int, kv_capacity: int):
+        self.spec = spec
+        self.lin = linears
+        self.norms = norms
+        self.max_model_len = max_model_len
+        self.embedding = linears["embed"] if "embed" in linears else linears["lm_head"]
+        self.head = linears["lm_head"]
+        ropes: dict[tuple, Rope] = {}
+        self.layer_cfg = []
+        for _ in range(spec.layers):
+            key = (spec.rope_theta, spec.head_dim)
+            if key not in ropes:
+                ropes[key] = Rope(spec, max_model_len, spec.head_dim, spec.rope_theta)
+            self.layer_cfg.append(LayerCfg(ropes[key]))
+        self.ropes = list(ropes.values())
+        self.cache = KVCache(spec, kv_capacity)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+
+    @property
+    def capacity(self) -> int:
+        return min(self.cache.capacity, self.max_model_len)
+
+    def check_fits(self, total_tokens: int) -> None:
+        if total_tokens > self.capacity:
+            which = ("max_model_len", "--max-model-len") if self.max_model_len <= self.cache.capacity else \
+                    ("KV budget", "--kv-budget-mib")
+            raise RuntimeUserError(
+                f"{total_tokens} tokens (prompt + generation) exceed the {which[0]} capacity of {self.capacity} tokens; "
+                f"shorten the prompt, lower --max-new-tokens, or raise {which[1]}")
+
+    def _attention(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        qkv = self.lin[f"layers.{i}.qkv"](x)
+        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+        cfg = self.layer_cfg[i]
+        q = cfg.rope.apply(q.view(t, s.heads, s.head_dim), pos0)
+        k = cfg.rope.apply(k.view(t, s.kv_heads, s.head_dim), pos0)
+        end = pos0 + t
+        self.cache.k[i, :, pos0:end] = k.transpose(0, 1)
+        self.cache.v[i, :, pos0:end] = v.view(t, s.kv_heads, s.head_dim).transpose(0, 1)
+        start = 0 if cfg.window is None else max(0, end - cfg.window - t + 1)
+        keys = self.cache.k[i, :, start:end]
+        vals = self.cache.v[i, :, start:end]
+        qh = q.transpose(0, 1)  # [H, T, D]
+        mask = None
+        if t > 1 or cfg.window is not None:
+            qpos = torch.arange(pos0, end)[:, None]
+            kpos = torch.arange(start, end)[None, :]
+            mask = kpos <= qpos
+            if cfg.window is not None:
+                mask &= kpos > qpos - cfg.window
+        o = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=s.heads != s.kv_heads)
+        return self.lin[f"layers.{i}.o"](o.transpose(0, 1).reshape(t, s.q_dim))
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        gu = self.lin[f"layers.{i}.gate_up"](x)
+        g, u = gu.chunk(2, dim=-1)
+        return self.lin[f"layers.{i}.down"](F.silu(g) * u)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos0: int, last_only: bool = True) -> torch.Tensor:
+        """ids: int64 [T] at positions pos0..pos0+T-1; returns float32 logits [T or 1, vocab]."""
+        eps = self.spec.rms_eps
+        x = self.embedding.embed(ids)
+        for i in range(self.spec.layers):
+            x = x + self._attention(i, rms_norm(x, self.norms[f"layers.{i}.attn_norm.weight"], eps), pos0)
+            x = x + self._mlp(i, rms_norm(x, self.norms[f"layers.{i}.mlp_norm.weight"], eps))
+        if last_only:
+            x = x[-1:]
+        x = rms_norm(x, self.norms["norm.weight"], eps)
+        return self.head(x.contiguous()).float()
+
+    def logits(self, token_ids) -> torch.Tensor:
+        """Teacher-forced logits [T, vocab] (float32) for a sequence starting at position 0."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0:
+            raise RuntimeUserError("logits() needs at least one token")
+        self.check_fits(ids.numel())
+        return self.forward(ids, 0, last_only=False)

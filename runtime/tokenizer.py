@@ -1,0 +1,93 @@
+"""Tokenizer (``tokenizers`` library, from tokenizer.json) and chat-template rendering."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import RuntimeUserError
+
+
+def _load_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text()) if p.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RuntimeUserError(f"{p}: not valid JSON; re-download or re-convert") from None
+
+
+class ChatTokenizer:
+    def __init__(self, tok, tcfg: dict, gen: dict, config: dict, chat_template: str | None):
+        self.tok = tok
+        self.tcfg = tcfg
+        self.chat_template = chat_template
+        self.add_bos = bool(tcfg.get("add_bos_token", False))
+        self.bos_token = self._tok_str(tcfg.get("bos_token"))
+        self.eos_token = self._tok_str(tcfg.get("eos_token"))
+        self.bos_id = self._id_of(self.bos_token, config.get("bos_token_id"))
+        eos = gen.get("eos_token_id", config.get("eos_token_id"))
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.eos_token is not None and tok.token_to_id(self.eos_token) is not None:
+            ids.add(tok.token_to_id(self.eos_token))
+        self.stop_ids = {int(i) for i in ids}
+
+    @staticmethod
+    def _tok_str(v):
+        return v.get("content") if isinstance(v, dict) else v
+
+    def _id_of(self, s, fallback):
+        i = self.tok.token_to_id(s) if s else None
+        return i if i is not None else fallback
+
+    @classmethod
+    def from_dir(cls, path: Path, config: dict) -> "ChatTokenizer":
+        from tokenizers import Tokenizer
+
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise RuntimeUserError(f"{path}: no tokenizer.json; the checkpoint or artifact lacks a tokenizer")
+        try:
+            tok = Tokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise RuntimeUserError(f"{tj}: cannot be read by the tokenizers library ({str(e)[:100]})") from None
+        tcfg = _load_json(path / "tokenizer_config.json")
+        gen = _load_json(path / "generation_config.json")
+        tmpl = tcfg.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            tmpl = (path / "chat_template.jinja").read_text()
+        if isinstance(tmpl, list):  # named templates: take "default"
+            tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+        return cls(tok, tcfg, gen, config, tmpl)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise RuntimeUserError("this model has no chat template; run without --chat")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise RuntimeUserError(f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise RuntimeUserError(f"chat template failed to render ({e.__class__.__name__}: {e}); run without --chat") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.render_chat(messages)
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if self.bos_token and text.startswith(self.bos_token):
+            return ids
+        return self.encode(text) if self.add_bos else ids

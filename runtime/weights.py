@@ -1,0 +1,114 @@
+"""Linear layers over memory-mapped weights, and the two ways to build them.
+
+``Int4Linear`` holds views into the artifact's mapping (packed codes + scales/zeros)
+and never copies them. Few rows (decode) go through torch's int4 kernel; many rows
+(prefill) dequantize the same packed bytes, block by block, into a reused scratch buffer
+and use a dense matmul: bf16 where the CPU has native bf16, else fp32 (on AVX2 the bf16
+GEMM is 3x slower than the int4 kernel, fp32 GEMM 2x faster at 512 rows).
+"""
+from __future__ import annotations
+
+import torch
+
+from sparkq.formats import constants as C
+from sparkq.formats.layout import dequantize_codes, dequantize_t, gather_rows, get_layout, unpack
+
+int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+# rows at or below this use the int4 kernel even with prefill_dequant
+KERNEL_MAX_ROWS = 32  # measured crossover on AVX2 (fp32 GEMM); see README
+
+
+def prefill_dtype() -> torch.dtype:
+    """bf16 GEMM only pays on CPUs with native bf16 (AVX512-BF16/AMX); else fp32 GEMM is faster."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native else torch.float32
+
+
+class Scratch:
+    """One buffer reused by every dequantizing matmul (grown once, never shrunk)."""
+
+    def __init__(self, max_elems: int = 4 << 20, dtype: torch.dtype | None = None):
+        self.max_elems = max_elems
+        self.dtype = dtype or prefill_dtype()
+        self.buf = torch.empty(0, dtype=self.dtype)
+
+    def get(self, n: int) -> torch.Tensor:
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=self.dtype)
+        return self.buf[:n]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+
+class Int4Linear:
+    def __init__(self, name: str, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                 n: int, k: int, layout: str, scratch: Scratch, prefill_dequant: bool = True):
+        self.name, self.qweight, self.scales_zeros = name, qweight, scales_zeros
+        self.g, self.n, self.k = group_size, n, k
+        self.layout = get_layout(layout)
+        self.scratch = scratch
+        self.prefill_dequant = prefill_dequant
+        B = self.layout.block_rows
+        rows = max(B, (scratch.max_elems // k) // B * B)
+        self.block_rows = min(n, rows)
+
+    def dequant_t(self, r0: int, r1: int) -> torch.Tensor:
+        """W^T for rows [r0, r1) (r0 on a layout block boundary), in the scratch buffer."""
+        out = self.scratch.get(self.k * (r1 - r0)).view(self.k, r1 - r0)
+        flat = self.qweight.reshape(-1)[r0 * self.k // 2: r1 * self.k // 2]
+        return dequantize_t(flat, self.scales_zeros[:, r0:r1], self.layout, r1 - r0, self.k, self.g, out)
+
+    def dequant(self) -> torch.Tensor:
+        """The whole weight [N, K] in bf16 (tests and tools; not used on the hot path)."""
+        codes = unpack(self.qweight, self.layout, self.n, self.k)
+        return dequantize_codes(codes, self.scales_zeros, self.g, torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m <= KERNEL_MAX_ROWS or not self.prefill_dequant:
+            return int4_mm(x.contiguous(), self.qweight, self.g, self.scales_zeros)
+        xc = x.to(self.scratch.dtype)
+        if self.block_rows >= self.n:
+            return (xc @ self.dequant_t(0, self.n)).to(x.dtype)
+        out = torch.empty(m, self.n, dtype=x.dtype)
+        for r0 in range(0, self.n, self.block_rows):
+            r1 = min(self.n, r0 + self.block_rows)
+            out[:, r0:r1] = xc @ self.dequant_t(r0, r1)
+        return out
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight (the tied embedding), gathered straight from the packed bytes."""
+        codes = gather_rows(self.qweight, self.layout, self.n, self.k, ids)
+        return dequantize_codes(codes, self.scales_zeros[:, ids], self.g, torch.bfloat16)
+
+
+class DenseLinear:
+    """A bf16 linear (bf16 reference checkpoints, or linears the recipe kept in bf16)."""
+
+    def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.name, self.weight, self.bias = name, weight, bias
+        self.n, self.k = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.t()
+        return y + self.bias if self.bias is not None else y
+
+    def dequant(self) -> torch.Tensor:
+        return self.weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight)
+
+
+def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratch, prefill_dequant: bool):
+    out = {}
+    for name, lin in art.linears.items():
+        if lin.kind == C.KIND_INT4:
+            out[name] = Int4Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales_zeros"],
+                                   lin.group_size, lin.n, lin.k, art.layout, scratch, prefill_dequant)
+        else:
+            out[name] = DenseLinear(name, tensors[f"{name}.weight"])
+    return out
