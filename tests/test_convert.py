@@ -1,0 +1,235 @@
+"""spark-convert end to end on tiny generated checkpoints: format, fallbacks, determinism,
+atomicity, streaming memory, errors, inspect/verify, and the transformers refusal."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import make_llama, run_cli, run_py
+from sparkq.convert.pipeline import Options, convert
+from sparkq.formats import Artifact, constants as C
+from sparkq.formats.layout import dequantize_codes, host_layout, unpack
+
+
+def test_artifact_contents_and_format(tiny_tied, tiny_tied_art):
+    art = Artifact.open(tiny_tied_art)
+    assert art.layout == host_layout()
+    names = set(art.infos)
+    assert "lm_head.qweight" in names and not any(n.startswith("embed") for n in names)  # tied: stored once
+    assert "layers.0.qkv.qweight" in names and "layers.0.gate_up.qweight" in names
+    assert not any("q_proj" in n or "gate_proj" in n for n in names)
+    for t in art.infos.values():
+        if not t.name.startswith(C.PAD_PREFIX):
+            assert t.start % C.ALIGNMENT == 0
+    cfg = json.loads((tiny_tied_art / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "sparkq" and qc["bits"] == 4 and qc["layout"] == host_layout()
+    assert (tiny_tied_art / "tokenizer.json").exists()
+    # the fused qkv dequantizes to cat(q, k, v) within int4 error, with the codes using the kernel convention
+    from safetensors import safe_open
+    with safe_open(str(tiny_tied / "model.safetensors"), "pt") as f:
+        q, k, v = (f.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight").float() for p in "qkv")
+    ref = torch.cat([q, k, v])
+    lin = art.linears["layers.0.qkv"]
+    t = art.map()
+    w = dequantize_codes(unpack(t["layers.0.qkv.qweight"], art.layout, lin.n, lin.k), t["layers.0.qkv.scales_zeros"],
+                         lin.group_size, torch.float32)
+    rel = ((w - ref).norm() / ref.norm()).item()
+    assert rel < 0.12 and abs(rel - lin.rel_error) < 1e-3
+    # every group's min and max are representable: error per element <= scale/2 (+ bf16 rounding)
+    sz = t["layers.0.qkv.scales_zeros"].float()
+    scale = sz[..., 0].T.repeat_interleave(lin.group_size, 1)
+    assert ((w - ref).abs() <= scale * 0.5 + 1e-2 * ref.abs().max()).all()
+
+
+def test_safetensors_library_reads_artifact(tiny_tied_art):
+    from safetensors import safe_open
+    art = Artifact.open(tiny_tied_art)
+    t = art.map()
+    with safe_open(str(tiny_tied_art / C.WEIGHTS_FILE), "pt") as f:
+        for name in ("lm_head.qweight", "layers.1.down.scales_zeros", "norm.weight"):
+            assert torch.equal(f.get_tensor(name), t[name])
+
+
+def test_group_size_fallback_and_untied(tiny_untied, tmp_path):
+    out = tmp_path / "a"
+    s = convert(str(tiny_untied), str(out), Options(progress=False))
+    art = Artifact.open(out)
+    assert not art.spec.tied and "embed.qweight" in art.infos and "lm_head.qweight" in art.infos
+    # K=192 -> g64; K=384 (down) -> g128
+    assert art.linears["layers.0.qkv"].group_size == 64
+    assert art.linears["layers.0.down"].group_size == 128
+    assert s["group_size_by_role"]["qkv"] == 64 and s["group_size_by_role"]["down"] == 128
+
+
+def test_n_not_multiple_of_16_stays_bf16(tmp_path):
+    src = make_llama(tmp_path / "odd", vocab=300, tied=True)  # vocab 300 % 16 != 0
+    out = tmp_path / "a"
+    s = convert(str(src), str(out), Options(progress=False))
+    art = Artifact.open(out)
+    assert art.linears["lm_head"].kind == "bf16" and "lm_head.weight" in art.infos
+    assert s["group_size_by_role"]["lm_head"] == "bf16"
+
+
+def test_sharded_and_fp32_input(tmp_path, tiny_tied_art):
+    from transformers import LlamaForCausalLM
+    src = make_llama(tmp_path / "fp32", dtype=torch.float32)
+    m = LlamaForCausalLM.from_pretrained(src)
+    m.save_pretrained(tmp_path / "sharded", max_shard_size="200KB", safe_serialization=True)
+    (tmp_path / "sharded" / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    a = convert(str(tmp_path / "sharded"), str(tmp_path / "o1"), Options(progress=False))
+    b = convert(str(src), str(tmp_path / "o2"), Options(progress=False))
+    assert (tmp_path / "o1" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "o2" / C.WEIGHTS_FILE).read_bytes()
+    assert a["tensors"] == b["tensors"]
+
+
+def test_deterministic(tiny_tied, tmp_path):
+    for o in ("x", "y"):
+        convert(str(tiny_tied), str(tmp_path / o), Options(progress=False))
+    for f in sorted(os.listdir(tmp_path / "x")):
+        assert (tmp_path / "x" / f).read_bytes() == (tmp_path / "y" / f).read_bytes(), f
+
+
+def test_existing_out_refused_then_force(tiny_tied, tmp_path):
+    out = tmp_path / "a"
+    out.mkdir()
+    p = run_cli("spark-convert", tiny_tied, out, "--quiet")
+    assert p.returncode == 2 and "--force" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = run_cli("spark-convert", tiny_tied, out, "--force", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["tensors"] > 0 and Artifact.open(out)
+
+
+def test_killed_conversion_leaves_no_output(tmp_path):
+    # big enough that the write takes a while: hidden 1024, 4 layers (~50 MB bf16)
+    src = make_llama(tmp_path / "big", hidden=1024, inter=2048, layers=4, heads=8, kv_heads=4, vocab=4096)
+    for delay in (0.5, 1.5):
+        out = tmp_path / f"out{delay}"
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "spark-convert"), str(src), str(out), "--quiet"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not out.exists() or Artifact.open(out).verify() is None
+        # the next run cleans the dead run's temp dir and succeeds
+        convert(str(src), str(out), Options(progress=False, force=True))
+        assert Artifact.open(out).verify() is None
+        assert not [p for p in tmp_path.iterdir() if ".sparkq-tmp-" in p.name]
+
+
+def test_streaming_peak_rss(tmp_path):
+    """A checkpoint ~16x its largest tensor: the converter's RSS growth stays near one tensor."""
+    src = make_llama(tmp_path / "s", hidden=1024, inter=4096, layers=8, heads=8, kv_heads=4, vocab=8192)
+    total = (src / "model.safetensors").stat().st_size
+    largest = 8192 * 1024 * 2  # the embedding, bf16
+    assert total > 15 * largest
+    code = f"""
+import json
+from sparkq.convert.pipeline import Options, convert
+s = convert({str(src)!r}, {str(tmp_path / 'o')!r}, Options(progress=False))
+print(json.dumps(s))
+"""
+    p = run_py(code)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    growth = (s["peak_rss_mib"] - s["start_rss_mib"]) * 2**20
+    print("rss growth MiB", growth / 2**20, "total MiB", total / 2**20, "largest MiB", largest / 2**20)
+    assert growth < total / 4, (growth, total)
+    assert growth < 3 * largest + 40 * 2**20, (growth, largest)  # measured ~65 MiB
+
+
+def test_transformers_refuses_artifact(tiny_tied_art):
+    from transformers import AutoModelForCausalLM
+    with pytest.raises(Exception) as e:
+        AutoModelForCausalLM.from_pretrained(tiny_tied_art)
+    assert "safetensors" in str(e.value) or "sparkq" in str(e.value) or "model" in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["missing", "unknown_arch", "bad_dtype", "shape", "pickle_only", "group"])
+def test_errors_one_line_exit_2(case, tiny_tied, tmp_path):
+    import shutil
+    src = tmp_path / "src"
+    args = []
+    if case == "missing":
+        src = tmp_path / "does-not-exist"
+    else:
+        shutil.copytree(tiny_tied, src)
+        cfg = json.loads((src / "config.json").read_text())
+        if case == "unknown_arch":
+            cfg["architectures"] = ["FooForCausalLM"]
+        elif case == "shape":
+            cfg["intermediate_size"] = 512
+        elif case == "group":
+            args = ["--group-size", "100"]
+        (src / "config.json").write_text(json.dumps(cfg))
+        if case == "bad_dtype":
+            from safetensors.torch import load_file, save_file
+            t = load_file(src / "model.safetensors")
+            t["model.norm.weight"] = t["model.norm.weight"].to(torch.int32)
+            save_file(t, src / "model.safetensors")
+        if case == "pickle_only":
+            os.remove(src / "model.safetensors")
+            (src / "pytorch_model.bin").write_bytes(b"not really")
+    out = tmp_path / "out"
+    p = run_cli("spark-convert", src, out, "--quiet", *args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in p.stderr, p.stderr
+    assert not out.exists() and not [x for x in tmp_path.iterdir() if ".sparkq-tmp-" in x.name]
+    want = {"missing": "no such file", "unknown_arch": "FooForCausalLM", "bad_dtype": "I32",
+            "shape": "intermediate" if False else "shape", "pickle_only": "never unpickles", "group": "group-size"}[case]
+    assert want in lines[0], lines[0]
+
+
+def test_inspect_and_verify(tiny_tied_art, tmp_path):
+    import shutil
+    p = run_cli("sparkq", "inspect", tiny_tied_art, "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["layout"] == host_layout() and s["tied_embeddings"] is True
+    assert 4.0 < s["bits_per_weight_linears"] < 5.0 and s["bytes_by_role"]["lm_head"] > 0
+    assert run_cli("sparkq", "inspect", tiny_tied_art).returncode == 0
+    assert run_cli("sparkq", "verify", tiny_tied_art).returncode == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_tied_art, bad)
+    art = Artifact.open(bad)
+    info = art.infos["layers.1.down.qweight"]
+    with open(bad / C.WEIGHTS_FILE, "r+b") as f:
+        f.seek(info.start + 10)
+        b = f.read(1)
+        f.seek(info.start + 10)
+        f.write(bytes([b[0] ^ 0x10]))
+    p = run_cli("sparkq", "verify", bad)
+    assert p.returncode == 2 and "layers.1.down.qweight" in p.stderr
+
+
+def test_truncated_artifact_refused(tiny_tied_art, tmp_path):
+    import shutil
+    bad = tmp_path / "trunc"
+    shutil.copytree(tiny_tied_art, bad)
+    w = bad / C.WEIGHTS_FILE
+    w.write_bytes(w.read_bytes()[:-100])
+    p = run_cli("sparkq", "inspect", bad)
+    assert p.returncode == 2 and "truncated" in p.stderr
+
+
+def test_wheel_has_only_sparkq_namespace(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(root)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    import zipfile
+    whl = next(tmp_path.glob("sparkq-*.whl"))
+    names = zipfile.ZipFile(whl).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"sparkq", next(t for t in top if t.endswith(".dist-info"))}, top
+    for sub in ("convert", "formats", "runtime", "recipes", "cli"):
+        assert any(n.startswith(f"sparkq/{sub}/") for n in names), sub
+    assert "sparkq/recipes/llama.toml" in names
