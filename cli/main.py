@@ -174,7 +174,7 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    max_model_len: int = typer.Option(2048, "--max-model-len"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="default: min(2048, max_position_embeddings)"),
     kv_budget_mib: float = typer.Option(192, "--kv-budget-mib"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     no_prefill_dequant: bool = typer.Option(False, "--no-prefill-dequant", help="prefill with the int4 kernel too"),

