@@ -124,8 +124,11 @@ def test_killed_conversion_leaves_no_output(tmp_path):
         assert not [p for p in tmp_path.iterdir() if ".sparkq-tmp-" in p.name]
 
 
-def test_streaming_peak_rss(tmp_path):
-    """A checkpoint ~16x its largest tensor: the converter's RSS growth stays near one tensor."""
+def test_streaming_peak_rss(tmp_path, tiny_tied):
+    """A checkpoint ~16x its largest tensor: the converter's RSS growth stays near one tensor.
+
+    A tiny conversion runs first in the same process so one-time initialisation (torch's
+    thread pool and kernels, ~60 MiB) is not counted as conversion memory."""
     src = make_llama(tmp_path / "s", hidden=1024, inter=4096, layers=8, heads=8, kv_heads=4, vocab=8192)
     total = (src / "model.safetensors").stat().st_size
     largest = 8192 * 1024 * 2  # the embedding, bf16
@@ -133,6 +136,7 @@ def test_streaming_peak_rss(tmp_path):
     code = f"""
 import json
 from sparkq.convert.pipeline import Options, convert
+convert({str(tiny_tied)!r}, {str(tmp_path / 'warm')!r}, Options(progress=False))
 s = convert({str(src)!r}, {str(tmp_path / 'o')!r}, Options(progress=False))
 print(json.dumps(s))
 """
@@ -141,8 +145,8 @@ print(json.dumps(s))
     s = json.loads(p.stdout.strip().splitlines()[-1])
     growth = (s["peak_rss_mib"] - s["start_rss_mib"]) * 2**20
     print("rss growth MiB", growth / 2**20, "total MiB", total / 2**20, "largest MiB", largest / 2**20)
-    assert growth < total / 4, (growth, total)
-    assert growth < 3 * largest + 40 * 2**20, (growth, largest)  # measured ~65 MiB
+    assert growth < total / 5, (growth, total)
+    assert growth < 3 * largest, (growth, largest)  # measured 42 MiB (allocator slack + one block)
 
 
 def test_transformers_refuses_artifact(tiny_tied_art):
