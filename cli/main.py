@@ -68,8 +68,9 @@ def print_convert_summary(s: dict) -> None:
         rows.append((f"rel. error {role}", f"mean {e['mean']:.4f}, max {e['max']:.4f}"))
     rows += [
         ("time", f"{s['seconds']:.1f} s"),
-        ("peak RSS (sampled)", f"{s['peak_rss_mib']:.0f} MiB (at start {s['start_rss_mib']:.0f} MiB; "
-                               f"largest source tensor {s['largest_source_tensor_mib']:.1f} MiB)"),
+        ("peak RSS (sampled)", f"{s['peak_rss_mib']:.0f} MiB (at start {s['start_rss_mib']:.0f} MiB); anonymous "
+                               f"{s['peak_rss_anon_mib']:.0f} MiB (at start {s['start_rss_anon_mib']:.0f} MiB)"),
+        ("largest source tensor", f"{s['largest_source_tensor_mib']:.1f} MiB"),
     ]
     typer.echo("sparkq conversion summary\n" + _table(rows))
 

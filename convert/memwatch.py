@@ -15,12 +15,15 @@ def rss_kib() -> dict[str, int]:
 
 
 class RssSampler:
-    """``with RssSampler(0.005) as s: ...`` then ``s.peak_kib`` / ``s.start_kib``."""
+    """``with RssSampler(0.005) as s: ...`` then ``s.peak_kib`` / ``s.start_kib`` (anon + file),
+    ``s.peak_anon_kib`` / ``s.start_anon_kib`` (anonymous only: data, not code pages)."""
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
         self.peak_kib = 0
         self.start_kib = 0
+        self.peak_anon_kib = 0
+        self.start_anon_kib = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -28,6 +31,7 @@ class RssSampler:
         r = rss_kib()
         v = r.get("RssAnon", 0) + r.get("RssFile", 0) + r.get("RssShmem", 0)
         self.peak_kib = max(self.peak_kib, v)
+        self.peak_anon_kib = max(self.peak_anon_kib, r.get("RssAnon", 0))
         return v
 
     def _run(self):
@@ -36,6 +40,7 @@ class RssSampler:
 
     def __enter__(self):
         self.start_kib = self.sample()
+        self.start_anon_kib = self.peak_anon_kib
         self._t.start()
         return self
 

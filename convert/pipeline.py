@@ -270,6 +270,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
         "seconds": elapsed,
         "peak_rss_mib": mem.peak_kib / 1024,
         "start_rss_mib": mem.start_kib / 1024,
+        "peak_rss_anon_mib": mem.peak_anon_kib / 1024,
+        "start_rss_anon_mib": mem.start_anon_kib / 1024,
         "largest_source_tensor_mib": largest / 2**20,
     }
 

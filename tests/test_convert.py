@@ -124,11 +124,12 @@ def test_killed_conversion_leaves_no_output(tmp_path):
         assert not [p for p in tmp_path.iterdir() if ".sparkq-tmp-" in p.name]
 
 
-def test_streaming_peak_rss(tmp_path, tiny_tied):
+def test_streaming_peak_rss(tmp_path):
     """A checkpoint ~16x its largest tensor: the converter's RSS growth stays near one tensor.
 
-    A tiny conversion runs first in the same process so one-time initialisation (torch's
-    thread pool and kernels, ~60 MiB) is not counted as conversion memory."""
+    The same conversion runs once first in the same process, so one-time initialisation
+    (torch's thread pools and per-thread malloc arenas: ~40 MiB measured, independent of
+    the model) is not counted as conversion memory."""
     src = make_llama(tmp_path / "s", hidden=1024, inter=4096, layers=8, heads=8, kv_heads=4, vocab=8192)
     total = (src / "model.safetensors").stat().st_size
     largest = 8192 * 1024 * 2  # the embedding, bf16
@@ -136,17 +137,17 @@ def test_streaming_peak_rss(tmp_path, tiny_tied):
     code = f"""
 import json
 from sparkq.convert.pipeline import Options, convert
-convert({str(tiny_tied)!r}, {str(tmp_path / 'warm')!r}, Options(progress=False))
+convert({str(src)!r}, {str(tmp_path / 'warm')!r}, Options(progress=False))
 s = convert({str(src)!r}, {str(tmp_path / 'o')!r}, Options(progress=False))
 print(json.dumps(s))
 """
     p = run_py(code)
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout.strip().splitlines()[-1])
-    growth = (s["peak_rss_mib"] - s["start_rss_mib"]) * 2**20
+    growth = (s["peak_rss_anon_mib"] - s["start_rss_anon_mib"]) * 2**20  # data, not library code pages
     print("rss growth MiB", growth / 2**20, "total MiB", total / 2**20, "largest MiB", largest / 2**20)
     assert growth < total / 5, (growth, total)
-    assert growth < 3 * largest, (growth, largest)  # measured 42 MiB (allocator slack + one block)
+    assert growth < 2 * largest + 8 * 2**20, (growth, largest)  # measured 4-23 MiB
 
 
 def test_transformers_refuses_artifact(tiny_tied_art):
