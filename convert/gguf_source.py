@@ -128,12 +128,14 @@ class GGUFSource(Source):
             arr = unpermute(arr, self.heads)
         elif name.endswith("self_attn.k_proj.weight"):
             arr = unpermute(arr, self.kv_heads)
-        out = torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))  # copies only if needed
+        # rounded through bf16, so converting the GGUF directly gives the same artifact as
+        # converting its `sparkq import-gguf` checkpoint (the fidelity reference)
+        out = torch.from_numpy(np.require(arr, np.float32, ["C", "W"])).to(torch.bfloat16)
         self._cache = (name, out)  # one tensor at a time
         return out
 
     def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        return self._dequant(name)[r0:r1]
+        return self._dequant(name)[r0:r1].to(torch.float32)
 
     # ------------------------------------------------------------------ tokenizer
     def _tokenizer_files(self, config: dict) -> dict[str, bytes]:

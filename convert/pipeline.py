@@ -215,10 +215,17 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             bar.update(v.numel() * 2)
                 w.close()
                 lin_meta = {
-                    l.name: {"kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size, "sources": l.sources,
-                             "rel_error": round(errors[l.name], 6)}
+                    l.name: {"role": role_of(l.name), "kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size,
+                             "sources": l.sources, "rel_error": round(errors[l.name], 6)}
                     for l in linears
                 }
+                tensor_meta = {}
+                for n, d in w.digests.items():
+                    owner, _, part = n.rpartition(".")
+                    if owner in by_name:
+                        tensor_meta[n] = {"sha256": d, "role": f"{role_of(owner)}.{part}", "linear": owner}
+                    else:
+                        tensor_meta[n] = {"sha256": d, "role": "norm", "sources": srcs[owner]}
                 manifest = {
                     "format": C.FORMAT_NAME,
                     "format_version": C.FORMAT_VERSION,
@@ -231,7 +238,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     "converter": {"name": "sparkq", "version": sparkq_version()},
                     "source": source.origin,
                     "linears": lin_meta,
-                    "tensors": {n: {"sha256": d} for n, d in w.digests.items()},
+                    "tensors": tensor_meta,
                 }
                 config = dict(source.config)
                 config["quantization_config"] = quantization_config(layout, opts.group_size, opts.method)

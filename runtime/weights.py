@@ -16,7 +16,7 @@ from sparkq.formats.layout import dequantize_codes, dequantize_t, gather_rows, g
 int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 # rows at or below this use the int4 kernel even with prefill_dequant
-KERNEL_MAX_ROWS = 32  # measured crossover on AVX2 (fp32 GEMM); see README
+KERNEL_MAX_ROWS = 256  # measured crossover on the AVX2 box (README: prefill table)
 
 
 def prefill_dtype() -> torch.dtype:

@@ -238,3 +238,38 @@ def test_wheel_has_only_sparkq_namespace(tmp_path):
     for sub in ("convert", "formats", "runtime", "recipes", "cli"):
         assert any(n.startswith(f"sparkq/{sub}/") for n in names), sub
     assert "sparkq/recipes/llama.toml" in names
+
+
+def _fake_hub_cache(hf_home: Path, repo: str, files_from: Path, commit: str = "a" * 40) -> None:
+    """The HF cache layout (refs + snapshots) as huggingface_hub writes it."""
+    import shutil
+    base = hf_home / "hub" / ("models--" + repo.replace("/", "--"))
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in files_from.iterdir():
+        shutil.copyfile(f, snap / f.name)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(commit)
+
+
+def test_hub_repo_id_source_offline_cache(tiny_tied, tmp_path):
+    hf = tmp_path / "hf"
+    _fake_hub_cache(hf, "tiny-org/tiny-llama", tiny_tied)
+    env = {"HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
+    p = run_cli("spark-convert", "tiny-org/tiny-llama", tmp_path / "out", "--json", env=env)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["source"]["kind"] == "hub" and s["source"]["id"] == "tiny-org/tiny-llama"
+    direct = convert(str(tiny_tied), str(tmp_path / "direct"), Options(progress=False))
+    assert (tmp_path / "out" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "direct" / C.WEIGHTS_FILE).read_bytes()
+    p = run_cli("spark-convert", "tiny-org/missing", tmp_path / "o2", env=env)
+    assert p.returncode == 2 and "HF_HUB_OFFLINE" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_convert_gguf_directly_equals_via_import(example_bf16, tmp_path):
+    from helpers import example_gguf
+    a = convert(str(example_gguf()), str(tmp_path / "g"), Options(progress=False))
+    b = convert(str(example_bf16), str(tmp_path / "b"), Options(progress=False))
+    assert a["source"]["kind"] == "gguf" and a["tied_embeddings"]
+    assert (tmp_path / "g" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "b" / C.WEIGHTS_FILE).read_bytes()
+    assert (tmp_path / "g" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()

@@ -175,10 +175,11 @@ def test_example_paris_chat_and_determinism(example_art):
     assert again["token_ids"] == r["token_ids"]
     c = m.generate("What is the capital of France?", chat=True, max_new_tokens=24)
     assert "Paris" in c["text"], c["text"]
-    long_prompt = ("Here is a short story about a lighthouse keeper who lived alone on a rocky island far "
-                   "from the coast, and what happened one stormy night when a ship appeared. The keeper")
+    from sparkq.runtime.weights import KERNEL_MAX_ROWS
+    long_prompt = " ".join(["A lighthouse keeper lived alone on a rocky island far from the coast."] * 20) + \
+        " One stormy night a ship appeared, and the keeper"
     on = m.generate(long_prompt, max_new_tokens=16)
-    assert on["stats"]["prompt_tokens"] > 32  # the dequantizing prefill path is exercised
+    assert on["stats"]["prompt_tokens"] > KERNEL_MAX_ROWS  # the dequantizing prefill path is exercised
     off = load(str(example_art), prefill_dequant=False).generate(long_prompt, max_new_tokens=16)
     assert on["token_ids"] == off["token_ids"]
     assert isinstance(m.model.lin["layers.0.qkv"], Int4Linear)
