@@ -18,6 +18,9 @@ from sparkq.formats.spec import ModelSpec
 from .errors import RuntimeUserError
 
 
+REFINE_TOP = 8  # logits recomputed in fp32 per position (see Model._refine_top)
+
+
 def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     rs = spec.rope_scaling or {}
@@ -167,8 +170,23 @@ class Model:
             x = x + self._mlp(i, rms_norm(x, self.norms[f"layers.{i}.mlp_norm.weight"], eps))
         if last_only:
             x = x[-1:]
-        x = rms_norm(x, self.norms["norm.weight"], eps)
-        return self.head(x.contiguous()).float()
+        x = rms_norm(x, self.norms["norm.weight"], eps).contiguous()
+        logits = self.head(x, out_dtype=torch.float32)
+        if self.head.uses_kernel(x.shape[0]):
+            self._refine_top(logits, x)
+        return logits
+
+    def _refine_top(self, logits: torch.Tensor, x: torch.Tensor) -> None:
+        """Recompute the top REFINE_TOP logits of each row in fp32.
+
+        A bf16 logit near 20 has a resolution of 0.125, so greedy decoding from bf16
+        logits ties and flips between numerically different paths; the few candidates
+        that matter are recomputed exactly from their (gathered) weight rows."""
+        k = min(REFINE_TOP, logits.shape[-1])
+        cand = logits.topk(k, dim=-1).indices  # [T, k]
+        w = self.head.rows(cand.reshape(-1), torch.float32).view(*cand.shape, -1)  # [T, k, D]
+        exact = torch.einsum("td,tkd->tk", x.float(), w)
+        logits.scatter_(1, cand, exact)
 
     def logits(self, token_ids) -> torch.Tensor:
         """Teacher-forced logits [T, vocab] (float32) for a sequence starting at position 0."""

@@ -66,23 +66,32 @@ class Int4Linear:
         codes = unpack(self.qweight, self.layout, self.n, self.k)
         return dequantize_codes(codes, self.scales_zeros, self.g, torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def uses_kernel(self, m: int) -> bool:
+        return m <= KERNEL_MAX_ROWS or not self.prefill_dequant
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         m = x.shape[0]
-        if m <= KERNEL_MAX_ROWS or not self.prefill_dequant:
-            return int4_mm(x.contiguous(), self.qweight, self.g, self.scales_zeros)
+        if self.uses_kernel(m):
+            y = int4_mm(x.contiguous(), self.qweight, self.g, self.scales_zeros)
+            return y if out_dtype is None else y.to(out_dtype)
+        out_dtype = out_dtype or x.dtype
         xc = x.to(self.scratch.dtype)
         if self.block_rows >= self.n:
-            return (xc @ self.dequant_t(0, self.n)).to(x.dtype)
-        out = torch.empty(m, self.n, dtype=x.dtype)
+            return (xc @ self.dequant_t(0, self.n)).to(out_dtype)
+        out = torch.empty(m, self.n, dtype=out_dtype)
         for r0 in range(0, self.n, self.block_rows):
             r1 = min(self.n, r0 + self.block_rows)
             out[:, r0:r1] = xc @ self.dequant_t(r0, r1)
         return out
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the weight (the tied embedding), gathered straight from the packed bytes."""
+    def rows(self, ids: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+        """Rows of the weight gathered straight from the packed bytes (row -> block/lane)."""
         codes = gather_rows(self.qweight, self.layout, self.n, self.k, ids)
-        return dequantize_codes(codes, self.scales_zeros[:, ids], self.g, torch.bfloat16)
+        return dequantize_codes(codes, self.scales_zeros[:, ids], self.g, dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup on the (tied) packed weight: no dense copy ever exists."""
+        return self.rows(ids)
 
 
 class DenseLinear:
@@ -92,12 +101,19 @@ class DenseLinear:
         self.name, self.weight, self.bias = name, weight, bias
         self.n, self.k = weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def uses_kernel(self, m: int) -> bool:
+        return True  # output is bf16-rounded, like the int4 kernel's
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = x @ self.weight.t()
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if out_dtype is None else y.to(out_dtype)
 
     def dequant(self) -> torch.Tensor:
         return self.weight
+
+    def rows(self, ids: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+        return self.weight[ids].to(dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.weight)
