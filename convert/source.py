@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from sparkq.formats import constants as C
+from sparkq.formats.hub import HubError, is_repo_id, snapshot, split_repo
 from sparkq.formats.tensorfile import TensorFileError, read_header
 
 from .errors import ConvertError
 
 SRC_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
 @dataclass
@@ -119,19 +117,10 @@ HUB_PATTERNS = ["config.json", "model.safetensors", "model-*.safetensors", "mode
 
 def resolve_hub(repo: str, revision: str | None = None, allow_patterns=None) -> Path:
     """Download (or find in the HF cache) a Hub repo's needed files; honours HF_HUB_OFFLINE."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
     try:
-        p = snapshot_download(repo, revision=revision, allow_patterns=allow_patterns or HUB_PATTERNS)
-    except RepositoryNotFoundError:
-        raise ConvertError(f"Hub repo {repo!r} not found (or private: log in with `hf auth login`)") from None
-    except LocalEntryNotFoundError:
-        raise ConvertError(f"Hub repo {repo!r} is not in the local HF cache and the Hub is unreachable or HF_HUB_OFFLINE is set; "
-                           "download it once online") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise ConvertError(f"Hub repo {repo!r}: download failed ({str(e).splitlines()[0]})") from None
-    return Path(p)
+        return snapshot(repo, revision, allow_patterns or HUB_PATTERNS)
+    except HubError as e:
+        raise ConvertError(str(e)) from None
 
 
 def open_source(src: str) -> Source:
@@ -143,9 +132,9 @@ def open_source(src: str) -> Source:
         return SafetensorsSource(p, {"kind": "dir", "id": str(p.resolve())})
     if p.exists():
         raise ConvertError(f"{src}: not a checkpoint directory or a .gguf file")
-    if REPO_ID.match(src) and not src.startswith((".", "/")):
-        repo, _, rev = src.partition("@")
-        d = resolve_hub(repo, rev or None)
+    if is_repo_id(src):
+        repo, rev = split_repo(src)
+        d = resolve_hub(repo, rev)
         return SafetensorsSource(d, {"kind": "hub", "id": repo, "revision": rev or "main", "snapshot": d.name})
     raise ConvertError(f"{src}: no such file or directory (and not a Hub repo id of the form org/name[@revision])")
 

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +10,7 @@ import torch
 
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
+from sparkq.formats.hub import is_repo_id
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, LayoutError, host_layout
 from sparkq.formats.spec import ModelSpec, SpecError, recipe_for_config
 
@@ -21,7 +20,6 @@ from .model import KVCache, Model
 from .tokenizer import ChatTokenizer
 from .weights import DenseLinear, Scratch, linears_from_artifact
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 DEFAULT_KV_BUDGET_MIB = 192
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -43,7 +41,7 @@ def _resolve(path_or_repo: str) -> Path:
     p = Path(path_or_repo)
     if p.exists():
         return p
-    if REPO_ID.match(path_or_repo):
+    if is_repo_id(path_or_repo):
         from .hub import download_artifact
         return download_artifact(path_or_repo)
     raise RuntimeUserError(f"{path_or_repo}: no such directory (and not a Hub repo id org/name[@revision])")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparkq.formats.hub import HubError, snapshot, split_repo
+
 from .errors import RuntimeUserError
 
 ARTIFACT_PATTERNS = ["config.json", "sparkq.json", "model.sparkq.safetensors", "tokenizer.json",
@@ -10,17 +12,9 @@ ARTIFACT_PATTERNS = ["config.json", "sparkq.json", "model.sparkq.safetensors", "
                      "chat_template.jinja", "README.md"]
 
 
-def download_artifact(repo: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    repo_id, _, rev = repo.partition("@")
+def download_artifact(spec: str) -> Path:
+    repo, rev = split_repo(spec)
     try:
-        return Path(snapshot_download(repo_id, revision=rev or None, allow_patterns=ARTIFACT_PATTERNS))
-    except RepositoryNotFoundError:
-        raise RuntimeUserError(f"Hub repo {repo_id!r} not found (or private: log in with `hf auth login`)") from None
-    except LocalEntryNotFoundError:
-        raise RuntimeUserError(f"Hub repo {repo_id!r} is not in the local HF cache and the Hub cannot be reached "
-                               "(or HF_HUB_OFFLINE is set); download it once online") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise RuntimeUserError(f"Hub repo {repo_id!r}: download failed ({str(e).splitlines()[0]})") from None
+        return snapshot(repo, rev, ARTIFACT_PATTERNS)
+    except HubError as e:
+        raise RuntimeUserError(str(e)) from None

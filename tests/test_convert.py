@@ -260,7 +260,7 @@ def test_hub_repo_id_source_offline_cache(tiny_tied, tmp_path):
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["source"]["kind"] == "hub" and s["source"]["id"] == "tiny-org/tiny-llama"
-    direct = convert(str(tiny_tied), str(tmp_path / "direct"), Options(progress=False))
+    convert(str(tiny_tied), str(tmp_path / "direct"), Options(progress=False))
     assert (tmp_path / "out" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "direct" / C.WEIGHTS_FILE).read_bytes()
     p = run_cli("spark-convert", "tiny-org/missing", tmp_path / "o2", env=env)
     assert p.returncode == 2 and "HF_HUB_OFFLINE" in p.stderr and p.stderr.count("\n") == 1, p.stderr
@@ -269,7 +269,7 @@ def test_hub_repo_id_source_offline_cache(tiny_tied, tmp_path):
 def test_convert_gguf_directly_equals_via_import(example_bf16, tmp_path):
     from helpers import example_gguf
     a = convert(str(example_gguf()), str(tmp_path / "g"), Options(progress=False))
-    b = convert(str(example_bf16), str(tmp_path / "b"), Options(progress=False))
+    convert(str(example_bf16), str(tmp_path / "b"), Options(progress=False))
     assert a["source"]["kind"] == "gguf" and a["tied_embeddings"]
     assert (tmp_path / "g" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "b" / C.WEIGHTS_FILE).read_bytes()
     assert (tmp_path / "g" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()

@@ -1,7 +1,6 @@
 """GGUF import on the real example (SmolLM2-135M-Instruct Q4_1) against transformers' own GGUF loading."""
 import json
 
-import pytest
 import torch
 
 from helpers import example_gguf

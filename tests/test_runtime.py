@@ -1,7 +1,6 @@
 """The runtime: oracles against transformers, int4 against its own dequantized weights under
 every layout, the real example, the mapping proof, and refusals before compute."""
 import json
-import os
 
 import pytest
 import torch
@@ -146,7 +145,7 @@ def test_layout_mismatch_refused(tiny_tied, tmp_path):
     out = tmp_path / other
     assert run_cli("spark-convert", tiny_tied, out, "--target", other, "--quiet").returncode == 0
     p = run_cli("sparkq", "generate", out, "hello")
-    assert p.returncode == 2 and f"--target" in p.stderr and other in p.stderr, p.stderr
+    assert p.returncode == 2 and "--target" in p.stderr and other in p.stderr, p.stderr
     if "avx2" in host_capabilities():  # and the other way round: avx2 bytes under a forced scalar kernel
         out2 = tmp_path / "avx2"
         assert run_cli("spark-convert", tiny_tied, out2, "--target", "avx2", "--quiet").returncode == 0

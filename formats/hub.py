@@ -1,0 +1,40 @@
+"""Where artifacts and checkpoints live on the Hugging Face Hub, and fetching them.
+
+Resolution goes through ``huggingface_hub.snapshot_download`` (so ``HF_HUB_OFFLINE``,
+``HF_HOME`` and the local cache are honoured) and fetches only the files asked for.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+class HubError(ValueError):
+    pass
+
+
+def split_repo(spec: str) -> tuple[str, str | None]:
+    """``org/name[@revision]`` -> (repo id, revision or None)."""
+    repo, _, rev = spec.partition("@")
+    return repo, rev or None
+
+
+def is_repo_id(s: str) -> bool:
+    return bool(REPO_ID.match(s)) and not s.startswith((".", "/"))
+
+
+def snapshot(repo: str, revision: str | None, allow_patterns: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=allow_patterns))
+    except RepositoryNotFoundError:
+        raise HubError(f"Hub repo {repo!r} not found (or private: log in with `hf auth login`)") from None
+    except LocalEntryNotFoundError:
+        raise HubError(f"Hub repo {repo!r} is not in the local HF cache and the Hub cannot be reached "
+                       "(or HF_HUB_OFFLINE is set); download it once online") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise HubError(f"Hub repo {repo!r}: download failed ({str(e).splitlines()[0]})") from None
