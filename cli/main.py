@@ -88,7 +88,8 @@ def convert(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
 ):
     """Convert SOURCE into a sparkq int4 artifact at OUT."""
-    from sparkq.convert.pipeline import Options, convert as do_convert
+    from sparkq.convert.pipeline import Options
+    from sparkq.convert.pipeline import convert as do_convert
 
     s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json)))
     if as_json:
@@ -120,9 +121,8 @@ def inspect(artifact: str, as_json: bool = typer.Option(False, "--json")):
 @app.command()
 def verify(artifact: str):
     """Recompute every tensor digest: exit 0 if all match, 2 naming the first bad tensor."""
-    from tqdm import tqdm
-
     from sparkq.formats import Artifact
+    from tqdm import tqdm
 
     art = _run(Artifact.open, artifact)
     size = art.weights_path.stat().st_size

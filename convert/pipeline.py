@@ -14,16 +14,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import quantization_config
 from sparkq.formats.layout import LAYOUTS, LayoutError, check_shape, get_layout, host_layout, pack_rows
+from sparkq.formats.procmem import RssSampler
 from sparkq.formats.spec import ModelSpec, SpecError, choose_group_size, linear_tensors, recipe_for_config, role_of
 from sparkq.formats.tensorfile import TensorFileWriter
+from tqdm import tqdm
 
 from .errors import ConvertError
-from .memwatch import RssSampler
 from .output import atomic_dir
 from .quantize import METHODS, quantize_rows
 from .source import Source, open_source
@@ -75,7 +74,7 @@ def _target_layout(target: str) -> str:
 def plan(source: Source, opts: Options):
     try:
         recipe = recipe_for_config(source.config, opts.recipe)
-        spec = ModelSpec.from_config(source.config, recipe.family)
+        spec = ModelSpec.from_recipe(source.config, recipe)
     except SpecError as e:
         raise ConvertError(str(e)) from None
     if opts.group_size not in C.GROUP_SIZES:
@@ -101,9 +100,10 @@ def plan(source: Source, opts: Options):
         linears.append(PlannedLinear(name, n, k, g, parts))
     vectors = spec.vector_shapes()
     for name, shape in vectors.items():
-        p = srcs[name.removesuffix(".weight")][0]
-        if tuple(source.shapes[p]) != shape:
-            raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, expected {list(shape)}")
+        got = sum(source.shapes[p][0] for p in srcs[name] if len(source.shapes[p]) == 1)
+        if got != shape[0] or any(len(source.shapes[p]) != 1 for p in srcs[name]):
+            raise ConvertError(f"source tensor(s) {', '.join(srcs[name])} have shape(s) "
+                               f"{[list(source.shapes[p]) for p in srcs[name]]}, expected {list(shape)} in all")
     return recipe, spec, linears, vectors, srcs
 
 
@@ -112,8 +112,8 @@ def _ordered_entries(linears: list[PlannedLinear], vectors: dict, spec: ModelSpe
     by_name = {l.name: l for l in linears}
     order = []
     for i in range(spec.layers):
-        order += [f"layers.{i}.attn_norm.weight", f"layers.{i}.qkv", f"layers.{i}.o",
-                  f"layers.{i}.mlp_norm.weight", f"layers.{i}.gate_up", f"layers.{i}.down"]
+        layer_vectors = [n for n in vectors if n.startswith(f"layers.{i}.")]
+        order += layer_vectors + [f"layers.{i}.qkv", f"layers.{i}.o", f"layers.{i}.gate_up", f"layers.{i}.down"]
     order += ["norm.weight"] + ([C.ROLE_EMBED] if not spec.tied else []) + [C.ROLE_LM_HEAD]
     entries = []
     for item in order:
@@ -209,8 +209,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             except LayoutError as e:
                                 raise ConvertError(f"{item}: {e}") from None
                         else:
-                            p = srcs[item.removesuffix(".weight")][0]
-                            v = source.read_rows(p, 0, vectors[item][0]).to(torch.bfloat16)
+                            parts = [source.read_rows(p, 0, source.shapes[p][0]) for p in srcs[item]]
+                            v = torch.cat(parts).to(torch.bfloat16)
                             w.put(item, v.view(torch.uint8).numpy())
                             bar.update(v.numel() * 2)
                 w.close()
@@ -225,7 +225,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     if owner in by_name:
                         tensor_meta[n] = {"sha256": d, "role": f"{role_of(owner)}.{part}", "linear": owner}
                     else:
-                        tensor_meta[n] = {"sha256": d, "role": "norm", "sources": srcs[owner]}
+                        tensor_meta[n] = {"sha256": d, "role": part if part == "bias" else "norm", "sources": srcs[n]}
                 manifest = {
                     "format": C.FORMAT_NAME,
                     "format_version": C.FORMAT_VERSION,

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from sparkq.formats import constants as C
 from sparkq.formats.hub import HubError, is_repo_id, snapshot, split_repo
 from sparkq.formats.tensorfile import TensorFileError, read_header

@@ -18,7 +18,7 @@ import torch
 
 from . import constants as C
 from .layout import LAYOUTS
-from .spec import ModelSpec, SpecError, linear_tensors
+from .spec import ModelSpec, SpecError, builtin_recipes, linear_tensors
 from .tensorfile import TensorFileError, TensorInfo, read_header
 
 
@@ -116,9 +116,11 @@ class Artifact:
         if meta.get("format") != C.FORMAT_NAME or meta.get("layout") != m["layout"] or meta.get("format_version") != str(C.FORMAT_VERSION):
             raise ArtifactError(f"{wpath}: header metadata {meta} does not match the manifest; re-convert")
         try:
-            spec = ModelSpec.from_config(config, m.get("family", "llama"))
+            spec = ModelSpec.from_recipe(config, builtin_recipes()[m.get("family", "llama")])
         except SpecError as e:
             raise ArtifactError(f"{path}/config.json: {e}") from None
+        except KeyError:
+            raise ArtifactError(f"{path}: family {m.get('family')!r} is not known to this sparkq; upgrade sparkq") from None
         if bool(m.get("tied")) != spec.tied:
             raise ArtifactError(f"{path}: manifest says tied={m.get('tied')} but config.json says tie_word_embeddings={spec.tied}")
         linears = cls._validate_tensors(path, m, infos, spec)
@@ -215,10 +217,10 @@ class Artifact:
             groups[key] = groups.get(key, 0) + 1
             q_params += lin.n * lin.k
             q_bytes += b
-        norm_bytes = sum(t.nbytes for n, t in self.infos.items() if n.endswith("norm.weight"))
-        roles["norms"] = norm_bytes
+        vectors = self.spec.vector_shapes()
+        roles["norms/biases"] = sum(self.infos[n].nbytes for n in vectors)
         total = os.path.getsize(self.weights_path)
-        params = q_params + sum(t.shape[0] for n, t in self.infos.items() if n.endswith("norm.weight"))
+        params = q_params + sum(s[0] for s in vectors.values())
         return {
             "path": str(self.path),
             "format_version": self.manifest["format_version"],

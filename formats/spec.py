@@ -7,10 +7,11 @@ logical shape, so the converter writes and the runtime reads against one definit
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+
+import tomllib
 
 from . import constants as C
 
@@ -29,6 +30,8 @@ class Recipe:
     group_size: int = 128
     group_size_fallbacks: tuple[int, ...] = (64, 32)
     keep_bf16: tuple[str, ...] = ()
+    qk_norm: bool = False   # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
     path: str = ""
 
     def layer_sources(self, role: str, i: int) -> list[str]:
@@ -38,12 +41,17 @@ class Recipe:
         return [pre + n for n in names]
 
     def source_names(self, spec: "ModelSpec") -> dict[str, list[str]]:
-        """Artifact module name -> HF source tensor names (parts in fusion order)."""
+        """Artifact linear name or vector tensor name -> HF source tensor names (parts in
+        fusion order; fused vectors such as the qkv bias are concatenated)."""
         out: dict[str, list[str]] = {}
         for i in range(spec.layers):
-            for role in C.LAYER_LINEARS + C.LAYER_NORMS:
+            for role in C.LAYER_LINEARS:
                 out[f"layers.{i}.{role}"] = self.layer_sources(role, i)
-        out["norm"] = [self.global_names["norm"]]
+            for role in spec.layer_norms:
+                out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, i)
+            if spec.qkv_bias:
+                out[f"layers.{i}.qkv.bias"] = self.layer_sources("qkv_bias", i)
+        out["norm.weight"] = [self.global_names["norm"]]
         if spec.tied:
             out[C.ROLE_LM_HEAD] = [self.global_names["embed"]]
         else:
@@ -64,6 +72,8 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             group_size=int(q.get("group_size", 128)),
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
             keep_bf16=tuple(q.get("keep_bf16", ())),
+            qk_norm=bool(d.get("features", {}).get("qk_norm", False)),
+            qkv_bias=bool(d.get("features", {}).get("qkv_bias", False)),
             path=path,
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -120,9 +130,20 @@ class ModelSpec:
     rope_theta: float
     max_position: int
     rope_scaling: dict | None = field(default=None, compare=False)
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+
+    @property
+    def layer_norms(self) -> tuple[str, ...]:
+        return C.LAYER_NORMS + (("q_norm", "k_norm") if self.qk_norm else ())
 
     @classmethod
-    def from_config(cls, cfg: dict, family: str = "llama") -> "ModelSpec":
+    def from_recipe(cls, cfg: dict, recipe: "Recipe") -> "ModelSpec":
+        return cls.from_config(cfg, recipe.family, qk_norm=recipe.qk_norm, qkv_bias=recipe.qkv_bias)
+
+    @classmethod
+    def from_config(cls, cfg: dict, family: str = "llama", *, qk_norm: bool = False, qkv_bias: bool = False) -> "ModelSpec":
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -140,6 +161,9 @@ class ModelSpec:
                 rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
                 max_position=int(cfg.get("max_position_embeddings", 2048)),
                 rope_scaling=cfg.get("rope_scaling"),
+                qk_norm=qk_norm,
+                qkv_bias=qkv_bias,
+                sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) else None,
             )
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
@@ -187,11 +211,13 @@ class ModelSpec:
         return [self.linear_shapes()[name][0]]
 
     def vector_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Artifact norm tensor name -> shape (all bf16)."""
+        """Artifact norm / bias tensor name -> shape (all bf16)."""
         out = {}
         for i in range(self.layers):
-            for n in C.LAYER_NORMS:
-                out[f"layers.{i}.{n}.weight"] = (self.hidden,)
+            for n in self.layer_norms:
+                out[f"layers.{i}.{n}.weight"] = (self.head_dim,) if n in ("q_norm", "k_norm") else (self.hidden,)
+            if self.qkv_bias:
+                out[f"layers.{i}.qkv.bias"] = (self.q_dim + 2 * self.kv_dim,)
         out["norm.weight"] = (self.hidden,)
         return out
 

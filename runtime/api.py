@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.hub import is_repo_id
@@ -81,7 +80,7 @@ def _load_bf16_checkpoint(path: Path):
     try:
         config = json.loads((path / "config.json").read_text())
         recipe = recipe_for_config(config)
-        spec = ModelSpec.from_config(config, recipe.family)
+        spec = ModelSpec.from_recipe(config, recipe)
     except FileNotFoundError:
         raise RuntimeUserError(f"{path}: neither a sparkq artifact nor an HF checkpoint (no config.json)") from None
     except SpecError as e:
@@ -107,16 +106,19 @@ def _load_bf16_checkpoint(path: Path):
     for name in spec.linear_shapes():
         parts = [get(n) for n in srcs[name]]
         linears[name] = DenseLinear(name, parts[0] if len(parts) == 1 else torch.cat(parts, 0))
-    norms = {n: get(srcs[n.removesuffix(".weight")][0]) for n in spec.vector_shapes()}
+    norms = {n: torch.cat([get(p) for p in srcs[n]]) for n in spec.vector_shapes()}
     return config, spec, linears, norms
 
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
-         threads: int | None = None, prefill_dequant: bool = True, verify: bool = False) -> "LoadedModel":
+         threads: int | None = None, prefill_dequant: bool = True, verify: bool = False,
+         rope_len_from_config: bool = False) -> "LoadedModel":
     """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference).
 
     ``max_model_len`` defaults to min(2048, the model's max_position_embeddings); the KV
     cache holds min(max_model_len, kv_budget_mib / bytes per token) tokens.
+    ``rope_len_from_config`` is the deliberately bad A/B arm of ``sparkq memory``: RoPE
+    tables sized from max_position_embeddings, as other runtimes do.
     """
     t0 = time.perf_counter()
     if threads:
@@ -144,7 +146,8 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, spec.max_position)
     cap = _kv_capacity(spec, max_model_len, kv_budget_mib)
-    model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap)
+    model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap,
+                  rope_len=spec.max_position if rope_len_from_config else None)
     tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
     info = LoadInfo(str(path_or_repo_id), kind, layout, time.perf_counter() - t0, cap, model.cache.nbytes,
                     sum(r.nbytes for r in model.ropes), max_model_len)

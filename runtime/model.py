@@ -12,11 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from sparkq.formats.spec import ModelSpec
 
 from .errors import RuntimeUserError
-
 
 REFINE_TOP = 8  # logits recomputed in fp32 per position (see Model._refine_top)
 
@@ -99,7 +97,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 class Model:
     def __init__(self, spec: ModelSpec, linears: dict, norms: dict[str, torch.Tensor], *,
-                 max_model_len: int, kv_capacity: int):
+                 max_model_len: int, kv_capacity: int, rope_len: int | None = None):
         self.spec = spec
         self.lin = linears
         self.norms = norms
@@ -111,8 +109,8 @@ class Model:
         for _ in range(spec.layers):
             key = (spec.rope_theta, spec.head_dim)
             if key not in ropes:
-                ropes[key] = Rope(spec, max_model_len, spec.head_dim, spec.rope_theta)
-            self.layer_cfg.append(LayerCfg(ropes[key]))
+                ropes[key] = Rope(spec, rope_len or max_model_len, spec.head_dim, spec.rope_theta)
+            self.layer_cfg.append(LayerCfg(ropes[key], spec.sliding_window))
         self.ropes = list(ropes.values())
         self.cache = KVCache(spec, kv_capacity)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
@@ -133,10 +131,16 @@ class Model:
         s = self.spec
         t = x.shape[0]
         qkv = self.lin[f"layers.{i}.qkv"](x)
+        if s.qkv_bias:
+            qkv = qkv + self.norms[f"layers.{i}.qkv.bias"]
         q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
         cfg = self.layer_cfg[i]
-        q = cfg.rope.apply(q.view(t, s.heads, s.head_dim), pos0)
-        k = cfg.rope.apply(k.view(t, s.kv_heads, s.head_dim), pos0)
+        q, k = q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = rms_norm(q, self.norms[f"layers.{i}.q_norm.weight"], s.rms_eps)
+            k = rms_norm(k, self.norms[f"layers.{i}.k_norm.weight"], s.rms_eps)
+        q = cfg.rope.apply(q, pos0)
+        k = cfg.rope.apply(k, pos0)
         end = pos0 + t
         self.cache.k[i, :, pos0:end] = k.transpose(0, 1)
         self.cache.v[i, :, pos0:end] = v.view(t, s.kv_heads, s.head_dim).transpose(0, 1)

@@ -9,7 +9,6 @@ GEMM is 3x slower than the int4 kernel, fp32 GEMM 2x faster at 512 rows).
 from __future__ import annotations
 
 import torch
-
 from sparkq.formats import constants as C
 from sparkq.formats.layout import dequantize_codes, dequantize_t, gather_rows, get_layout, unpack
 

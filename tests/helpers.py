@@ -37,22 +37,27 @@ def byte_tokenizer(vocab_size: int) -> str:
 
 
 def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=320, tied=True,
-               seed=0, dtype=torch.bfloat16, head_dim=None) -> Path:
-    """A random LlamaForCausalLM saved as an HF checkpoint (safetensors) with a tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+               seed=0, dtype=torch.bfloat16, head_dim=None, arch="llama", **extra) -> Path:
+    """A random decoder (llama, qwen2, qwen3, mistral) saved as an HF checkpoint with a tokenizer."""
+    import transformers
 
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      tie_word_embeddings=tied, max_position_embeddings=512, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, head_dim=head_dim or hidden // heads, eos_token_id=256, bos_token_id=None)
-    model = LlamaForCausalLM(cfg)
+    cfg = getattr(transformers, f"{name}Config")(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        tie_word_embeddings=tied, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_theta=10000.0, head_dim=head_dim or hidden // heads, eos_token_id=256, bos_token_id=None, **extra)
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg)
     with torch.no_grad():  # larger-than-default weights so errors are visible
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
             else:
                 p.uniform_(0.8, 1.2)
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.3)
     model.to(dtype).save_pretrained(out, safe_serialization=True)
     (out / "tokenizer.json").write_text(byte_tokenizer(vocab))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))

@@ -1,7 +1,47 @@
-"""Sample this process's resident memory (RssAnon + RssFile) in a background thread."""
+"""Process memory accounting shared by the converter and the runtime's instruments.
+
+``rss_kib`` reads /proc/self/status, ``rollup_kib`` /proc/PID/smaps_rollup (PSS),
+``RssSampler`` samples in a background thread (peak vs settled), ``resident_bytes``
+asks mincore(2) which pages of an address range are resident.
+"""
 from __future__ import annotations
 
 import threading
+
+
+def rollup_kib(pid: int | str = "self") -> dict[str, int]:
+    """Rss, Pss, Pss_Anon, Pss_File, ... in KiB from /proc/PID/smaps_rollup."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+                out[parts[0][:-1]] = int(parts[1])
+    return out
+
+
+_libc = None
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of [addr, addr+length) whose pages are resident (mincore(2); whole pages)."""
+    import ctypes
+    import mmap
+
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if length <= 0:
+        return 0
+    page = mmap.PAGESIZE
+    start = addr - addr % page
+    end = addr + length
+    npages = (end - start + page - 1) // page
+    vec = (ctypes.c_ubyte * npages)()
+    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(npages * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in bytes(vec)) * page
 
 
 def rss_kib() -> dict[str, int]:

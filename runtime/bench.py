@@ -1,0 +1,215 @@
+"""``sparkq bench``: decode and prefill speed, load time, TTFT and memory, as interleaved arms.
+
+Every (pass, arm) runs in a fresh child process (``python .../runtime/bench.py '<json>'``),
+so load time and peak RSS are those of a cold start, and arms alternate within each pass
+(control, arm B, ..., control, arm B, ...) so drift on a shared machine hits all of them.
+Reports medians and spread (min..max), ratios to the control arm, a streaming-read
+bandwidth probe with the same threads, and decode bytes per token -> effective GB/s.
+An optional llama.cpp arm runs through llama-cpp-python when it is installed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+LOAD_KEYS = {"prefill_dequant": lambda v: v.lower() in ("1", "true", "yes", "on"), "threads": int,
+             "kv_budget_mib": float, "max_model_len": int}
+
+
+def parse_arm(spec: str) -> tuple[str, dict, dict]:
+    """``NAME=k=v,k=v``: lower-case keys are load() options, UPPER-case ones environment variables."""
+    name, _, flags = spec.partition("=")
+    if not name:
+        raise ValueError(f"--arm {spec!r}: expected NAME=key=value,...")
+    kw, env = {}, {}
+    for item in filter(None, flags.split(",")):
+        k, _, v = item.partition("=")
+        if k.isupper():
+            env[k] = v
+        elif k in LOAD_KEYS:
+            kw[k] = LOAD_KEYS[k](v)
+        else:
+            raise ValueError(f"--arm {name}: unknown option {k!r} (load options: {', '.join(LOAD_KEYS)}; "
+                             "UPPER_CASE keys set environment variables)")
+    return name, kw, env
+
+
+def bandwidth_probe(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """Streaming-read ceiling in GB/s: sum over a buffer much larger than the caches."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t)
+    torch.set_num_threads(old)
+    return x.numel() * 4 / statistics.median(ts) / 1e9
+
+
+def decode_bytes_per_token(loaded) -> int:
+    """Weight bytes one decode step reads: every linear once (the head in full), norms."""
+    from sparkq.runtime.memory import model_regions
+
+    seen, total = set(), 0
+    for cat, name, t in model_regions(loaded):
+        if cat in ("kv cache", "rope tables", "scratch"):
+            continue
+        if name.startswith("embed."):
+            continue  # untied embedding: one row per token
+        key = (t.data_ptr(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _child_sparkq(a: dict) -> dict:
+    import torch
+
+    from sparkq.formats.procmem import RssSampler
+    from sparkq.runtime import load
+
+    t0 = time.perf_counter()
+    with RssSampler(0.002) as s:
+        m = load(a["model"], **a["load"])
+        load_s = time.perf_counter() - t0
+        vocab = m.model.spec.vocab
+        g = torch.Generator().manual_seed(0)
+        short = torch.randint(0, vocab, (a["ttft_tokens"],), generator=g).tolist()
+        t = time.perf_counter()
+        next(iter(m.stream_ids(short, max_new_tokens=1, stop_ids=[])))
+        ttft = time.perf_counter() - t
+    settled = s.sample()
+    pp_ids = torch.randint(0, vocab, (a["pp"],), generator=g).tolist()
+    list(m.stream_ids(pp_ids[:64], max_new_tokens=2, stop_ids=[]))  # warm both paths
+    t = time.perf_counter()
+    m.model.forward(torch.tensor(pp_ids), 0, last_only=True)
+    pp_s = time.perf_counter() - t
+    list(m.stream_ids(short, max_new_tokens=a["tg"], stop_ids=[]))
+    st = m.last_stats
+    return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": st.decode_tok_s,
+            "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024,
+            "decode_bytes_per_token": decode_bytes_per_token(m), "threads": torch.get_num_threads()}
+
+
+def _child_llama(a: dict) -> dict:
+    import random
+
+    from llama_cpp import Llama
+
+    from sparkq.formats.procmem import RssSampler
+
+    t0 = time.perf_counter()
+    with RssSampler(0.002) as s:
+        llm = Llama(model_path=a["model"], n_ctx=a["pp"] + a["tg"] + 64, n_threads=a["load"].get("threads") or os.cpu_count(),
+                    n_batch=a["pp"], verbose=False)
+        load_s = time.perf_counter() - t0
+        rng = random.Random(0)
+        vocab = llm.n_vocab()
+        short = [rng.randrange(vocab) for _ in range(a["ttft_tokens"])]
+        t = time.perf_counter()
+        llm.eval(short)
+        ttft = time.perf_counter() - t
+    settled = s.sample()
+    llm.reset()
+    pp_ids = [rng.randrange(vocab) for _ in range(a["pp"])]
+    t = time.perf_counter()
+    llm.eval(pp_ids)
+    pp_s = time.perf_counter() - t
+    llm.reset()
+    llm.eval(short)
+    t = time.perf_counter()
+    for _ in range(a["tg"] - 1):
+        llm.eval([rng.randrange(vocab)])
+    tg_s = time.perf_counter() - t
+    return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": (a["tg"] - 1) / tg_s,
+            "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024,
+            "decode_bytes_per_token": os.path.getsize(a["model"]), "threads": a["load"].get("threads") or os.cpu_count()}
+
+
+def _run_child(args: dict, env: dict) -> dict:
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(args)], capture_output=True, text=True,
+                       env={**os.environ, **env})
+    if p.returncode != 0:
+        from sparkq.runtime.errors import RuntimeUserError
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeUserError(f"bench arm failed: {last}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _summ(vals: list[float]) -> dict:
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+
+
+METRICS = ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib")
+
+
+def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: int | None = None, pp: int = 512,
+          tg: int = 128, ttft_tokens: int = 16, llama_gguf: str | None = None, progress=None) -> dict:
+    import torch
+
+    from sparkq.runtime.errors import RuntimeUserError
+
+    if passes < 1 or pp < 1 or tg < 2:
+        raise RuntimeUserError("--passes >= 1, --pp >= 1 and --tg >= 2 are required")
+    threads = threads or torch.get_num_threads()
+    try:
+        parsed = [("control", {}, {})] + [parse_arm(a) for a in (arms or [])]
+    except ValueError as e:
+        raise RuntimeUserError(str(e)) from None
+    runs = []
+    for name, kw, env in parsed:
+        kw = {"threads": threads, "max_model_len": max(pp, ttft_tokens + tg) + 8, **kw}
+        runs.append((name, {"kind": "sparkq", "model": model, "load": kw}, env))
+    if llama_gguf:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise RuntimeUserError("--llama-gguf needs llama-cpp-python: pip install llama-cpp-python (builds llama.cpp, ~5 min)") from None
+        runs.append(("llama.cpp", {"kind": "llama", "model": llama_gguf, "load": {"threads": threads}}, {}))
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+    for p in range(passes):
+        for name, args, env in runs:
+            args = {**args, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens}
+            results[name].append(_run_child(args, env))
+            if progress:
+                progress(f"pass {p + 1}/{passes} {name}")
+    ceiling = bandwidth_probe(threads)
+    out_arms = {}
+    for name, _, env in runs:
+        rs = results[name]
+        a = {m: _summ([r[m] for r in rs]) for m in METRICS}
+        bpt = rs[0]["decode_bytes_per_token"]
+        a["decode_bytes_per_token"] = bpt
+        a["decode_gb_s"] = bpt * a["tg_tok_s"]["median"] / 1e9
+        a["decode_pct_of_ceiling"] = 100 * a["decode_gb_s"] / ceiling
+        a["env"] = env
+        out_arms[name] = a
+    ctrl = out_arms["control"]
+    for a in out_arms.values():
+        a["ratio_to_control"] = {m: a[m]["median"] / ctrl[m]["median"] if ctrl[m]["median"] else None for m in METRICS}
+    return {"model": model, "passes": passes, "threads": threads, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"), "read_ceiling_gb_s": ceiling,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "arms": out_arms}
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # run as a script: do not shadow packages with this folder
+    args = json.loads(sys.argv[1])
+    try:
+        res = _child_llama(args) if args["kind"] == "llama" else _child_sparkq(args)
+    except Exception as e:
+        if type(e).__name__ != "RuntimeUserError":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(res))
