@@ -142,7 +142,7 @@ def _run_child(args: dict, env: dict) -> dict:
     if p.returncode != 0:
         from sparkq.runtime.errors import RuntimeUserError
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeUserError(f"bench arm failed: {last}")
+        raise RuntimeUserError(f"bench arm failed: {last.removeprefix('error: ')}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 

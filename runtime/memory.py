@@ -102,12 +102,12 @@ def child(args: dict) -> dict:
     with RssSampler(0.002) as s:
         m = rt.load(args["artifact"], **kw)
         _stage("after load", stages)
-        ids = list(range(100, 108))
-        list(m.stream_ids(ids, max_new_tokens=4, stop_ids=[]))
+        list(m.stream_ids(list(range(100, 100 + min(8, m.capacity - 1))), max_new_tokens=1, stop_ids=[]))
         _stage("after warm-up", stages)
     settled = stages[-1]["rss_anon_mib"] + stages[-1]["rss_file_mib"]
-    list(m.stream_ids(list(range(100, 100 + args.get("prompt_tokens", 64))), max_new_tokens=args.get("new_tokens", 64),
-                      stop_ids=[]))
+    n_prompt = min(args.get("prompt_tokens", 64), m.capacity // 2)
+    n_new = min(args.get("new_tokens", 64), m.capacity - n_prompt)
+    list(m.stream_ids(list(range(100, 100 + n_prompt)), max_new_tokens=n_new, stop_ids=[]))
     _stage("after generation", stages)
     return {
         "artifact": args["artifact"],
@@ -134,7 +134,7 @@ def run(artifact: str, **kw) -> dict:
     if p.returncode != 0:
         from sparkq.runtime.errors import RuntimeUserError
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeUserError(f"memory measurement failed: {last}")
+        raise RuntimeUserError(f"memory measurement failed: {last.removeprefix('error: ')}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 

@@ -1,0 +1,83 @@
+"""``sparkq synth``: random-weight checkpoints of real model shapes (speed and memory at scale
+without downloading a model). Written streaming, one tensor at a time, as standard HF
+safetensors + config + a byte-level tokenizer; deterministic for a given seed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sparkq.formats import constants as C
+from sparkq.formats.spec import ModelSpec, builtin_recipes
+from sparkq.formats.tensorfile import TensorFileWriter
+
+from .errors import ConvertError
+from .output import atomic_dir
+
+SHAPES = {
+    "qwen3-1.7b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "max_position_embeddings": 8192, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    },
+}
+
+
+def _byte_tokenizer() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bool = True) -> dict:
+    if shape not in SHAPES:
+        raise ConvertError(f"unknown --shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    cfg = dict(SHAPES[shape])
+    recipe = next(r for r in builtin_recipes().values() if cfg["architectures"][0] in r.architectures)
+    spec = ModelSpec.from_recipe(cfg, recipe)
+    names = recipe.source_names(spec)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for lin, (n, k) in spec.linear_shapes().items():
+        for src, rows in zip(names[lin], spec.part_rows(lin)):
+            shapes[src] = (rows, k)
+    for vec, shp in spec.vector_shapes().items():
+        for src in names[vec]:
+            shapes[src] = (shp[0] // len(names[vec]),)
+    entries = [(n, C.DTYPE_BF16, s) for n, s in sorted(shapes.items())]
+    g = torch.Generator().manual_seed(seed)
+    with atomic_dir(out, force) as tmp:
+        w = TensorFileWriter(str(tmp / "model.safetensors"), entries, {"format": "pt"})
+        total = sum(torch.Size(s).numel() * 2 for _, _, s in entries)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress, leave=False) as bar:
+            for name, _, shp in entries:
+                w.begin(name)
+                rows = shp[0]
+                step = max(1, (8 << 20) // max(1, torch.Size(shp[1:]).numel()))
+                for r0 in range(0, rows, step):
+                    r = min(rows, r0 + step) - r0
+                    if len(shp) == 1:
+                        t = 1.0 + 0.1 * torch.randn(r, generator=g)
+                    else:
+                        t = torch.randn(r, *shp[1:], generator=g) * (shp[1] ** -0.5)
+                    w.write(t.to(torch.bfloat16).view(torch.uint8).numpy())
+                    bar.update(t.numel() * 2)
+                w.end()
+        w.close()
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        (tmp / "tokenizer.json").write_text(_byte_tokenizer())
+        size = (tmp / "model.safetensors").stat().st_size
+    return {"shape": shape, "output": str(Path(out).absolute()), "tensors": len(entries), "bytes": size,
+            "parameters": size // 2}

@@ -1,0 +1,111 @@
+"""sparkq memory / fidelity / bench / synth: accounting and invariants (no timing assertions)."""
+import json
+import mmap
+
+import torch
+
+from helpers import run_cli
+from sparkq.formats.procmem import resident_bytes
+from sparkq.runtime import load
+from sparkq.runtime.memory import ledger
+
+
+def test_mincore_residency_follows_touching(tmp_path):
+    f = tmp_path / "blob"
+    f.write_bytes(b"\0" * (64 * mmap.PAGESIZE))
+    s = torch.UntypedStorage.from_file(str(f), shared=False, nbytes=64 * mmap.PAGESIZE)
+    t = torch.empty(0, dtype=torch.uint8).set_(s)
+    import os
+    fd = os.open(f, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop it from the page cache
+    os.close(fd)
+    before = resident_bytes(t.data_ptr(), t.numel())
+    t[: 8 * mmap.PAGESIZE].sum()  # touch 8 pages
+    after = resident_bytes(t.data_ptr(), t.numel())
+    assert after >= before and after >= 8 * mmap.PAGESIZE
+    a = torch.empty(64 << 20, dtype=torch.uint8)  # anonymous, large (own mmap), untouched
+    a[:1] = 1
+    assert resident_bytes(a.data_ptr(), a.numel()) < a.numel() // 2
+    a.fill_(1)
+    assert resident_bytes(a.data_ptr(), a.numel()) >= a.numel() - mmap.PAGESIZE
+
+
+def test_ledger_arithmetic(tiny_tied_art, tiny_untied, tmp_path):
+    from sparkq.convert.pipeline import Options, convert
+    from sparkq.formats import Artifact
+    m = load(str(tiny_tied_art), max_model_len=64, kv_budget_mib=0.5)
+    led = ledger(m)
+    cats = led["categories"]
+    spec = m.model.spec
+    per_tok = 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
+    assert cats["kv cache"]["bytes"] == m.capacity * per_tok == m.info.kv_bytes
+    assert cats["rope tables"]["bytes"] == 2 * 64 * spec.head_dim * 2
+    art = Artifact.open(tiny_tied_art)
+    weights = sum(t.nbytes for n, t in art.infos.items() if not n.startswith("_pad."))
+    w_cats = ("int4 weights", "scales/zeros", "embedding/head", "norms")
+    assert sum(cats[c]["bytes"] for c in w_cats if c in cats) == weights  # tied head counted once
+    assert cats["embedding/head"]["regions"] == 2  # lm_head qweight + scales (embedding is the same)
+    assert all(cats[c]["resident_anon"] == 0 for c in w_cats)  # file-backed
+    convert(str(tiny_untied), str(tmp_path / "u"), Options(progress=False))
+    mu = load(str(tmp_path / "u"), max_model_len=64)
+    assert ledger(mu)["categories"]["embedding/head"]["regions"] == 4  # untied: both stored
+
+
+def test_memory_cli(tiny_tied_art):
+    p = run_cli("sparkq", "memory", tiny_tied_art, "--json", "--kv-budget-mib", "1", "--max-model-len", "64")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert [s["stage"] for s in r["stages"]] == ["python", "import torch", "import sparkq", "after load",
+                                                  "after warm-up", "after generation"]
+    assert r["import_cost_mib"]["torch"] > 20 and r["peak_mib"] >= r["settled_mib"] > 0
+    assert r["ledger"]["categories"]["kv cache"]["bytes"] <= 2**20
+    bad = run_cli("sparkq", "memory", tiny_tied_art, "--rope-len-from-config", "--max-model-len", "64", "--json")
+    r2 = json.loads(bad.stdout)
+    assert r2["ledger"]["categories"]["rope tables"]["bytes"] > r["ledger"]["categories"]["rope tables"]["bytes"]
+    assert run_cli("sparkq", "memory", tiny_tied_art).returncode == 0
+
+
+def test_fidelity_of_reference_against_itself(tiny_tied, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    p = run_cli("sparkq", "fidelity", tiny_tied, "--reference", tiny_tied, "--corpus", corpus,
+                "--tokens", "200", "--window", "64", "--new-tokens", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    tf = r["teacher_forced"]
+    assert tf["top1_agreement"] == 1.0 and tf["kl_mean"] == 0.0 and tf["tokens"] == 200
+    assert tf["ppl_artifact"] == tf["ppl_reference"]
+    assert r["greedy"]["identical"] == r["greedy"]["prompts"] == 12
+
+
+def test_fidelity_int4_vs_reference(tiny_tied, tiny_tied_art, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("Some held-out text for measuring. " * 40)
+    p = run_cli("sparkq", "fidelity", tiny_tied_art, "--reference", tiny_tied, "--corpus", corpus,
+                "--tokens", "128", "--window", "64", "--new-tokens", "4")
+    assert p.returncode == 0, p.stderr
+    assert "KL(ref || artifact)" in p.stdout and "saturate" in p.stdout
+    p = run_cli("sparkq", "fidelity", tiny_tied_art, "--reference", tiny_tied, "--corpus", tmp_path / "nope.txt")
+    assert p.returncode == 2 and "no such file" in p.stderr
+
+
+def test_synth_convert_bench(tmp_path):
+    p = run_cli("sparkq", "synth", tmp_path / "s", "--shape", "smollm2-135m", "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert 130e6 < s["parameters"] < 140e6
+    assert run_cli("spark-convert", tmp_path / "s", tmp_path / "q", "--quiet").returncode == 0
+    p = run_cli("sparkq", "bench", tmp_path / "q", "--passes", "1", "--pp", "32", "--tg", "4",
+                "--arm", "nodeq=prefill_dequant=0", "--arm", "passive=OMP_WAIT_POLICY=PASSIVE", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert set(r["arms"]) == {"control", "nodeq", "passive"}
+    for a in r["arms"].values():
+        for m in ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib"):
+            assert a[m]["median"] > 0 and a[m]["min"] <= a[m]["median"] <= a[m]["max"]
+        assert a["decode_bytes_per_token"] > 60e6 and 0 < a["decode_pct_of_ceiling"]
+        assert a["peak_rss_mib"]["median"] >= a["settled_rss_mib"]["median"]
+    assert r["arms"]["control"]["ratio_to_control"]["tg_tok_s"] == 1.0 and r["read_ceiling_gb_s"] > 0
+    assert r["arms"]["passive"]["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+    bad = run_cli("sparkq", "bench", tmp_path / "q", "--arm", "x=bogus=1")
+    assert bad.returncode == 2 and "bogus" in bad.stderr
