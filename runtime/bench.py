@@ -21,7 +21,9 @@ LOAD_KEYS = {"prefill_dequant": lambda v: v.lower() in ("1", "true", "yes", "on"
 
 
 def parse_arm(spec: str) -> tuple[str, dict, dict]:
-    """``NAME=k=v,k=v``: lower-case keys are load() options, UPPER-case ones environment variables."""
+    """``NAME=k=v,k=v``: lower-case keys are load() options (``model=PATH`` benches another
+    model, e.g. the bf16 reference, in the same interleaved run), UPPER-case ones
+    environment variables."""
     name, _, flags = spec.partition("=")
     if not name:
         raise ValueError(f"--arm {spec!r}: expected NAME=key=value,...")
@@ -30,6 +32,8 @@ def parse_arm(spec: str) -> tuple[str, dict, dict]:
         k, _, v = item.partition("=")
         if k.isupper():
             env[k] = v
+        elif k == "model":
+            kw[k] = v
         elif k in LOAD_KEYS:
             kw[k] = LOAD_KEYS[k](v)
         else:
@@ -169,7 +173,8 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
     runs = []
     for name, kw, env in parsed:
         kw = {"threads": threads, "max_model_len": max(pp, ttft_tokens + tg) + 8, **kw}
-        runs.append((name, {"kind": "sparkq", "model": model, "load": kw}, env))
+        target = kw.pop("model", model)
+        runs.append((name, {"kind": "sparkq", "model": target, "load": kw}, env))
     if llama_gguf:
         try:
             import llama_cpp  # noqa: F401
@@ -193,6 +198,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         a["decode_gb_s"] = bpt * a["tg_tok_s"]["median"] / 1e9
         a["decode_pct_of_ceiling"] = 100 * a["decode_gb_s"] / ceiling
         a["env"] = env
+        a["model"] = next(args["model"] for n, args, _ in runs if n == name)
         out_arms[name] = a
     ctrl = out_arms["control"]
     for a in out_arms.values():

