@@ -86,16 +86,25 @@ def convert(
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="then upload to this Hub repo (ORG/NAME)"),
+    private: bool = typer.Option(False, "--private", help="with --push-to-hub: create the repo private"),
+    revision: Optional[str] = typer.Option(None, "--revision", help="with --push-to-hub: branch to commit to"),
 ):
     """Convert SOURCE into a sparkq int4 artifact at OUT."""
     from sparkq.convert.pipeline import Options
     from sparkq.convert.pipeline import convert as do_convert
 
     s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json)))
+    if push_to_hub:
+        from sparkq.convert.publish import upload as do_upload
+        s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision)
     if as_json:
         typer.echo(json.dumps(s, indent=1))
     else:
         print_convert_summary(s)
+        if push_to_hub:
+            u = s["upload"]
+            typer.echo(f"  uploaded             {u['repo']}@{u['revision']} {u['variant']}/ (commit {u['commit'][:12]})")
 
 
 @app.command()
@@ -131,6 +140,19 @@ def verify(artifact: str):
     if bad:
         _fail(f"tensor {bad!r} does not match its sha256 in the manifest: the artifact is corrupt, re-download or re-convert it")
     typer.echo(f"ok: {len(art.manifest['tensors'])} tensors verified ({_mib(size)})")
+
+
+@app.command()
+def upload(artifact: str, repo_id: str, private: bool = typer.Option(False, "--private"),
+           revision: Optional[str] = typer.Option(None, "--revision", help="branch to commit to (created if needed)"),
+           as_json: bool = typer.Option(False, "--json")):
+    """Upload an artifact to the Hub as the <layout>/ variant of REPO_ID, with a generated model card."""
+    from sparkq.convert.publish import upload as do_upload
+
+    u = _run(do_upload, artifact, repo_id, private=private, revision=revision)
+    typer.echo(json.dumps(u, indent=1) if as_json else
+               _table([("repo", f"{u['repo']}@{u['revision']}"), ("variant", f"{u['variant']}/ ({', '.join(u['variants'])} in repo)"),
+                       ("commit", u["commit"]), ("message", u["commit_message"]), ("files", str(u["files"]))]))
 
 
 @app.command("import-gguf")
@@ -186,10 +208,13 @@ def generate(
 
     m = _run(load, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads,
              prefill_dequant=not no_prefill_dequant)
+    hub = m.info.extra.get("hub")
+    if hub and not as_json:
+        typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     if as_json:
         r = _run(m.generate, prompt, chat=chat, **kw)
-        r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout,
+        r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout, hub=hub,
                           threads=torch_threads(), rss_mib=_rss_mib())
         typer.echo(json.dumps(r))
         return
@@ -210,6 +235,20 @@ def generate(
 def torch_threads() -> int:
     import torch
     return torch.get_num_threads()
+
+
+def _save(target: str, kind: str, result: dict) -> None:
+    """Store a measurement inside the artifact (measurements/KIND.json) for its model card."""
+    import os
+    from pathlib import Path
+
+    d = Path(target)
+    if not (d / "sparkq.json").is_file():
+        _fail(f"--save needs a local artifact directory, not {target!r}")
+    (d / "measurements").mkdir(exist_ok=True)
+    tmp = d / "measurements" / f".{kind}.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, d / "measurements" / f"{kind}.json")
 
 
 def _plot(path: str, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> None:
@@ -241,12 +280,15 @@ def memory(
     threads: Optional[int] = typer.Option(None, "--threads"),
     as_json: bool = typer.Option(False, "--json"),
     plot: Optional[str] = typer.Option(None, "--plot", help="write a PNG chart"),
+    save: bool = typer.Option(False, "--save", help="store the result in ARTIFACT/measurements/ (model card)"),
 ):
     """Memory ledger (by storage, mincore residency), process stages, peak vs settled."""
     from sparkq.runtime.memory import run
 
     r = _run(run, artifact, kv_budget_mib=kv_budget_mib, max_model_len=max_model_len,
              rope_len_from_config=rope_len_from_config or None, threads=threads)
+    if save:
+        _save(artifact, "memory", r)
     if plot:
         _plot(plot, f"sparkq memory: {artifact}",
               {"process (MiB)": {s["stage"]: s["rss_anon_mib"] + s["rss_file_mib"] for s in r["stages"]},
@@ -280,6 +322,7 @@ def fidelity(
     new_tokens: int = typer.Option(32, "--new-tokens"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     as_json: bool = typer.Option(False, "--json"),
+    save: bool = typer.Option(False, "--save", help="store the result in ARTIFACT/measurements/ (model card)"),
 ):
     """Top-1 agreement, KL(reference||artifact), perplexity, greedy reproductions."""
     from pathlib import Path
@@ -292,6 +335,8 @@ def fidelity(
             _fail(f"--prompts {prompts}: no such file")
         plist = [line for line in Path(prompts).read_text().splitlines() if line.strip()]
     r = _run(do_fidelity, artifact, reference, corpus, tokens, window, plist, new_tokens, threads)
+    if save:
+        _save(artifact, "fidelity", r)
     if as_json:
         typer.echo(json.dumps(r, indent=1))
         return
@@ -317,12 +362,15 @@ def bench(
     llama_gguf: Optional[str] = typer.Option(None, "--llama-gguf", help="also bench this GGUF with llama-cpp-python"),
     as_json: bool = typer.Option(False, "--json"),
     plot: Optional[str] = typer.Option(None, "--plot"),
+    save: bool = typer.Option(False, "--save", help="store the result in MODEL/measurements/ (model card)"),
 ):
     """Decode/prefill tok/s, load, TTFT, peak/settled RSS: interleaved arms, medians and spread."""
     from sparkq.runtime.bench import bench as do_bench
 
     r = _run(do_bench, model, arm, passes, threads, pp, tg, 16, llama_gguf,
              (lambda msg: typer.echo(f"  {msg}", err=True)) if not as_json else None)
+    if save:
+        _save(model, "bench", r)
     if plot:
         _plot(plot, f"sparkq bench: {model}", {
             f"decode tg{tg} (tok/s)": {n: a["tg_tok_s"]["median"] for n, a in r["arms"].items()},

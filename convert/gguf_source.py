@@ -99,7 +99,8 @@ class GGUFSource(Source):
         self.heads, self.kv_heads = heads, kv
         shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in self.tensors.items()}
         super().__init__(config=config, shapes=shapes,
-                         origin={"kind": "gguf", "id": path.name, "name": self._field("general.name", None)},
+                         origin={"kind": "gguf", "id": path.name, "name": self._field("general.name", None),
+                                 **({"license": lic} if (lic := self._field("general.license", None)) else {})},
                          directory=None, extra_files=self._tokenizer_files(config))
         self._cache: tuple[str, torch.Tensor] | None = None
         self.path = path

@@ -111,7 +111,20 @@ class SafetensorsSource(Source):
 
 # Files fetched from the Hub for a conversion (never pickles).
 HUB_PATTERNS = ["config.json", "model.safetensors", "model-*.safetensors", "model.safetensors.index.json",
-                *C.TOKENIZER_FILES]
+                "README.md", *C.TOKENIZER_FILES]
+
+
+def card_license(directory: Path) -> dict:
+    """license / license_name / license_link from a model card's YAML header, if any."""
+    readme = directory / "README.md"
+    if not readme.is_file():
+        return {}
+    try:
+        from huggingface_hub.repocard import metadata_load
+        meta = metadata_load(readme) or {}
+    except Exception:  # a malformed card must not stop a conversion
+        return {}
+    return {k: meta[k] for k in ("license", "license_name", "license_link") if isinstance(meta.get(k), str)}
 
 
 def resolve_hub(repo: str, revision: str | None = None, allow_patterns=None) -> Path:
@@ -128,13 +141,14 @@ def open_source(src: str) -> Source:
         from .gguf_source import GGUFSource
         return GGUFSource(p)
     if p.is_dir():
-        return SafetensorsSource(p, {"kind": "dir", "id": str(p.resolve())})
+        return SafetensorsSource(p, {"kind": "dir", "id": str(p.resolve()), **card_license(p)})
     if p.exists():
         raise ConvertError(f"{src}: not a checkpoint directory or a .gguf file")
     if is_repo_id(src):
         repo, rev = split_repo(src)
         d = resolve_hub(repo, rev)
-        return SafetensorsSource(d, {"kind": "hub", "id": repo, "revision": rev or "main", "snapshot": d.name})
+        return SafetensorsSource(d, {"kind": "hub", "id": repo, "revision": rev or "main", "snapshot": d.name,
+                                     **card_license(d)})
     raise ConvertError(f"{src}: no such file or directory (and not a Hub repo id of the form org/name[@revision])")
 
 

@@ -38,3 +38,29 @@ def snapshot(repo: str, revision: str | None, allow_patterns: list[str]) -> Path
                        "(or HF_HUB_OFFLINE is set); download it once online") from None
     except (HfHubHTTPError, OSError) as e:
         raise HubError(f"Hub repo {repo!r}: download failed ({str(e).splitlines()[0]})") from None
+
+
+# ---------------------------------------------------------------- layout variants on the Hub
+# One Hub repo holds one artifact per CPU layout, each in a subfolder named after the layout
+# (``avx512/``, ``avx2/``, ``default/``), so a pinned revision pins every variant and a
+# download fetches only the folder matching the host; the model card (README.md) is at the
+# root. A repo with an artifact at its root (a single variant) is read too.
+VARIANT_FILES = ["config.json", "sparkq.json", "model.sparkq.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                 "measurements/*.json"]
+
+
+def variant_patterns(layout: str) -> list[str]:
+    return [f"{layout}/{p}" for p in VARIANT_FILES] + ["README.md"]
+
+
+def variants_in(paths) -> list[str]:
+    """Layouts present in a list of repo paths (folders holding a sparkq.json)."""
+    out = set()
+    for p in paths:
+        parts = str(p).split("/")
+        if len(parts) == 2 and parts[1] == "sparkq.json":
+            out.add(parts[0])
+        elif p == "sparkq.json":
+            out.add("(root)")
+    return sorted(out)

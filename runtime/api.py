@@ -36,10 +36,10 @@ class LoadInfo:
     extra: dict = field(default_factory=dict)
 
 
-def _resolve(path_or_repo: str) -> Path:
+def _resolve(path_or_repo: str) -> tuple[Path, dict]:
     p = Path(path_or_repo)
     if p.exists():
-        return p
+        return p, {}
     if is_repo_id(path_or_repo):
         from .hub import download_artifact
         return download_artifact(path_or_repo)
@@ -123,7 +123,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(int(threads))
-    path = _resolve(str(path_or_repo_id))
+    path, hub = _resolve(str(path_or_repo_id))
     if (path / C.MANIFEST_FILE).exists():
         try:
             art = Artifact.open(path)
@@ -150,7 +150,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
                   rope_len=spec.max_position if rope_len_from_config else None)
     tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
     info = LoadInfo(str(path_or_repo_id), kind, layout, time.perf_counter() - t0, cap, model.cache.nbytes,
-                    sum(r.nbytes for r in model.ropes), max_model_len)
+                    sum(r.nbytes for r in model.ropes), max_model_len, {"hub": hub} if hub else {})
     return LoadedModel(model, tok, info, tensors)
 
 
