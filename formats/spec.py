@@ -144,6 +144,9 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg: dict, family: str = "llama", *, qk_norm: bool = False, qkv_bias: bool = False) -> "ModelSpec":
+        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+            if key in cfg and type(cfg[key]) is not int:
+                raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -167,12 +170,18 @@ class ModelSpec:
             )
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:
             raise SpecError(f"config.json has a bad value ({e})") from None
-        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
+        if spec.rope_scaling is not None and not isinstance(spec.rope_scaling, dict):
+            raise SpecError("config.json: rope_scaling must be an object or null")
+        limits = {"hidden": 1 << 17, "layers": 1 << 12, "heads": 1 << 12, "kv_heads": 1 << 12, "head_dim": 1 << 12,
+                  "intermediate": 1 << 19, "vocab": 1 << 22, "max_position": 1 << 31}
+        for name, hi in limits.items():
             v = getattr(spec, name)
-            if not 0 < v < 1 << 24:
-                raise SpecError(f"config.json: {name}={v} is out of range")
+            if not 0 < v <= hi:
+                raise SpecError(f"config.json: {name}={v} is out of range (1..{hi})")
+        if not (spec.rms_eps > 0 and spec.rope_theta > 0):
+            raise SpecError("config.json: rms_norm_eps and rope_theta must be positive")
         if spec.heads % spec.kv_heads:
             raise SpecError(f"config.json: {spec.heads} heads is not a multiple of {spec.kv_heads} kv heads")
         rs = spec.rope_scaling

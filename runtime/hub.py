@@ -22,6 +22,40 @@ def _repo_variants(repo: str, revision: str | None, snap: Path) -> list[str]:
     return variants_in(files)
 
 
+def _verified_marker(repo: str, commit: str, variant: str) -> Path:
+    from huggingface_hub import constants
+    return Path(constants.HF_HOME) / "sparkq-verified" / repo.replace("/", "--") / f"{commit}-{variant}"
+
+
+def _first_bad(art_dir: Path) -> str | None:
+    from sparkq.formats.artifact import Artifact, ArtifactError
+    try:
+        return Artifact.open(art_dir).verify()
+    except ArtifactError as e:
+        return str(e)
+
+
+def _check_download(repo: str, rev: str | None, patterns: list[str], art_dir: Path, info: dict) -> None:
+    """Every tensor digest is checked once per downloaded snapshot; a corrupt or truncated
+    download is fetched again once, then refused."""
+    marker = _verified_marker(repo, info["revision"], info["variant"])
+    if marker.exists():
+        return
+    bad = _first_bad(art_dir)
+    if bad is not None:
+        try:
+            snapshot(repo, rev, patterns, force=True)
+        except HubError as e:
+            raise RuntimeUserError(f"download of {repo} is corrupt ({bad}) and re-fetching failed: {e}") from None
+        bad = _first_bad(art_dir)
+        if bad is not None:
+            raise RuntimeUserError(f"download of {repo} is corrupt even after re-fetching ({bad}); "
+                                   "the repo itself may be damaged: re-upload it")
+        info["refetched"] = True
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
 def download_artifact(spec: str) -> tuple[Path, dict]:
     """(local artifact dir, {"repo", "revision", "variant"}) for ``org/name[@revision]``."""
     repo, rev = split_repo(spec)
@@ -29,16 +63,18 @@ def download_artifact(spec: str) -> tuple[Path, dict]:
         layout = host_layout()
     except LayoutError as e:
         raise RuntimeUserError(str(e)) from None
+    patterns = variant_patterns(layout) + ["sparkq.json", "config.json", "model.sparkq.safetensors", "tokenizer*",
+                                           "generation_config.json", "chat_template*"]
     try:
-        snap = snapshot(repo, rev, variant_patterns(layout) + ["sparkq.json", "config.json", "model.sparkq.safetensors",
-                                                               "tokenizer*", "generation_config.json", "chat_template*"])
+        snap = snapshot(repo, rev, patterns)
     except HubError as e:
         raise RuntimeUserError(str(e)) from None
     info = {"repo": repo, "revision": snap.name, "requested_revision": rev or "main"}
-    if (snap / layout / "sparkq.json").exists():
-        return snap / layout, {**info, "variant": layout}
-    if (snap / "sparkq.json").exists():
-        return snap, {**info, "variant": "(root)"}
+    for d, variant in ((snap / layout, layout), (snap, "(root)")):
+        if (d / "sparkq.json").exists():
+            info["variant"] = variant
+            _check_download(repo, rev, patterns, d, info)
+            return d, info
     have = _repo_variants(repo, rev, snap)
     raise RuntimeUserError(
         f"Hub repo {repo} has no artifact for this CPU's layout {layout!r} (it has: {', '.join(have) or 'none'}); "

@@ -9,9 +9,12 @@ from .errors import RuntimeUserError
 
 def _load_json(p: Path) -> dict:
     try:
-        return json.loads(p.read_text()) if p.is_file() else {}
+        d = json.loads(p.read_text()) if p.is_file() else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise RuntimeUserError(f"{p}: not valid JSON; re-download or re-convert") from None
+    if not isinstance(d, dict):
+        raise RuntimeUserError(f"{p}: expected a JSON object; re-download or re-convert")
+    return d
 
 
 class ChatTokenizer:
@@ -19,23 +22,24 @@ class ChatTokenizer:
         self.tok = tok
         self.tcfg = tcfg
         self.chat_template = chat_template
-        self.add_bos = bool(tcfg.get("add_bos_token", False))
+        self.add_bos = tcfg.get("add_bos_token") is True
         self.bos_token = self._tok_str(tcfg.get("bos_token"))
         self.eos_token = self._tok_str(tcfg.get("eos_token"))
         self.bos_id = self._id_of(self.bos_token, config.get("bos_token_id"))
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
-        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        ids = {i for i in (eos if isinstance(eos, list) else [eos]) if type(i) is int}
         if self.eos_token is not None and tok.token_to_id(self.eos_token) is not None:
             ids.add(tok.token_to_id(self.eos_token))
         self.stop_ids = {int(i) for i in ids}
 
     @staticmethod
     def _tok_str(v):
-        return v.get("content") if isinstance(v, dict) else v
+        v = v.get("content") if isinstance(v, dict) else v
+        return v if isinstance(v, str) else None
 
     def _id_of(self, s, fallback):
         i = self.tok.token_to_id(s) if s else None
-        return i if i is not None else fallback
+        return i if i is not None else (fallback if type(fallback) is int else None)
 
     @classmethod
     def from_dir(cls, path: Path, config: dict) -> "ChatTokenizer":
@@ -54,7 +58,9 @@ class ChatTokenizer:
         if (path / "chat_template.jinja").is_file():
             tmpl = (path / "chat_template.jinja").read_text()
         if isinstance(tmpl, list):  # named templates: take "default"
-            tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+            tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        if not isinstance(tmpl, str):
+            tmpl = None
         return cls(tok, tcfg, gen, config, tmpl)
 
     def encode(self, text: str) -> list[int]:
@@ -75,13 +81,17 @@ class ChatTokenizer:
         def raise_exception(msg):
             raise RuntimeUserError(f"chat template: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.UndefinedError as e:
+            raise RuntimeUserError(f"chat template uses a variable sparkq does not provide ({e}); "
+                                   "fix the template or run without --chat") from None
         except jinja2.TemplateError as e:
             raise RuntimeUserError(f"chat template failed to render ({e.__class__.__name__}: {e}); run without --chat") from None
 

@@ -116,3 +116,25 @@ def test_upload_failure_says_why(hub, tiny_tied_art):
     env = {**hub.env, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
     p = run_cli("sparkq", "upload", tiny_tied_art, "me/x", env=env)
     assert p.returncode == 2 and p.stderr.startswith("error: upload to me/x failed"), p.stderr
+
+
+def test_corrupted_download_is_detected_and_refetched(hub, tiny_tied_art, tmp_path):
+    assert run_cli("sparkq", "upload", tiny_tied_art, "me/c", env=hub.env).returncode == 0
+    layout = host_layout()
+    hub.corrupt_next.add(f"{layout}/{C.WEIGHTS_FILE}")  # the first download of the weights gets a flipped byte
+    g = run_cli("sparkq", "generate", "me/c", "abc", "--max-new-tokens", "3", "--json", env=hub.env)
+    assert g.returncode == 0, g.stderr
+    assert json.loads(g.stdout)["stats"]["hub"].get("refetched") is True
+    assert not hub.corrupt_next
+    # a repo whose stored bytes are wrong is refused after one re-fetch, naming the problem
+    files = hub.files("me/c")
+    entry = files[f"{layout}/{C.WEIGHTS_FILE}"]
+    data = bytearray(hub.content(entry))
+    data[-1] ^= 0x01
+    import hashlib
+    oid = hashlib.sha256(bytes(data)).hexdigest()
+    hub.lfs[oid] = bytes(data)
+    files[f"{layout}/{C.WEIGHTS_FILE}"] = {"lfs": oid}
+    env2 = {**hub.env, "HF_HOME": str(tmp_path / "hf2")}
+    bad = run_cli("sparkq", "generate", "me/c", "abc", env=env2)
+    assert bad.returncode == 2 and "corrupt even after re-fetching" in bad.stderr, bad.stderr
