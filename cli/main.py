@@ -400,7 +400,7 @@ def format_bench(r: dict) -> str:
 @app.command()
 def synth(
     out_dir: str,
-    shape: str = typer.Option("qwen3-1.7b", "--shape", help="qwen3-1.7b | smollm2-135m"),
+    shape: str = typer.Option("qwen3-1.7b", "--shape", help="qwen3-1.7b | spark-x2.5-1.7b | smollm2-135m"),
     seed: int = typer.Option(0, "--seed"),
     force: bool = typer.Option(False, "--force"),
     as_json: bool = typer.Option(False, "--json"),

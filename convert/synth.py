@@ -23,6 +23,19 @@ SHAPES = {
         "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
     },
+    # The seed's hybrid: 3 sliding-window layers (theta 1e4, full rotary) per full-attention layer
+    # (theta 1e6, half rotary), a 1M-position config, tied; Qwen3-1.7B-like widths. Our stand-in
+    # for "Spark X2.5 1.7B", whose exact dimensions we do not have.
+    "spark-x2.5-1.7b": {
+        "architectures": ["SparkForCausalLM"], "model_type": "spark", "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 1048576,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 7,
+        "sliding_window": 4096, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}},
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -30,9 +30,11 @@ class Recipe:
     group_size: int = 128
     group_size_fallbacks: tuple[int, ...] = (64, 32)
     keep_bf16: tuple[str, ...] = ()
-    qk_norm: bool = False   # per-head RMSNorm of q and k before RoPE (Qwen3)
-    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    features: tuple = ()  # sorted (name, value) pairs of the recipe's [features] table (FEATURES)
     path: str = ""
+
+    def feature(self, name: str):
+        return dict(self.features).get(name, FEATURES[name])
 
     def layer_sources(self, role: str, i: int) -> list[str]:
         v = self.layer_names[role]
@@ -60,6 +62,25 @@ class Recipe:
         return out
 
 
+# Architecture features a recipe can switch on ([features] table), with their defaults.
+FEATURES = {
+    "qk_norm": False,         # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma3)
+    "qkv_bias": False,        # biases on q/k/v (Qwen2)
+    "norm_offset": False,     # RMSNorm scales by (1 + w), computed in fp32 (Gemma)
+    "sandwich_norms": False,  # extra norms after attention and after the MLP (Gemma3)
+    "embed_scale": False,     # embeddings multiplied by sqrt(hidden) (Gemma)
+    "act": "silu",            # MLP gate activation: silu | gelu_tanh
+}
+
+
+def _features(d: dict, path: str) -> tuple:
+    if not isinstance(d, dict) or any(k not in FEATURES for k in d):
+        raise SpecError(f"recipe {path}: unknown [features] {sorted(set(d) - set(FEATURES))}; known: {', '.join(FEATURES)}")
+    if d.get("act", "silu") not in ("silu", "gelu_tanh"):
+        raise SpecError(f"recipe {path}: act must be silu or gelu_tanh")
+    return tuple(sorted(d.items()))
+
+
 def _recipe_from_dict(d: dict, path: str) -> Recipe:
     try:
         q = d.get("quant", {})
@@ -72,8 +93,7 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             group_size=int(q.get("group_size", 128)),
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
             keep_bf16=tuple(q.get("keep_bf16", ())),
-            qk_norm=bool(d.get("features", {}).get("qk_norm", False)),
-            qkv_bias=bool(d.get("features", {}).get("qkv_bias", False)),
+            features=_features(d.get("features", {}), path),
             path=path,
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -133,17 +153,40 @@ class ModelSpec:
     qk_norm: bool = False
     qkv_bias: bool = False
     sliding_window: int | None = None
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    act: str = "silu"
+    # per layer: attention type; per type: (rope theta, rotary dim)
+    layer_types: tuple[str, ...] = ()
+    rope_by_type: tuple = ()  # sorted ((type, theta, rotary_dim), ...)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_softcap: float | None = None
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
-        return C.LAYER_NORMS + (("q_norm", "k_norm") if self.qk_norm else ())
+        return (C.LAYER_NORMS + (("q_norm", "k_norm") if self.qk_norm else ())
+                + (("post_attn_norm", "post_mlp_norm") if self.sandwich_norms else ()))
+
+    def layer_attention(self, i: int) -> tuple[float, int, int | None]:
+        """(rope theta, rotary dim, sliding window or None) of layer i."""
+        t = self.layer_types[i] if self.layer_types else "full_attention"
+        rope = {k: (th, rd) for k, th, rd in self.rope_by_type}
+        theta, rot = rope.get(t, rope.get("full_attention", (self.rope_theta, self.head_dim)))
+        if self.layer_types:
+            window = self.sliding_window if t == "sliding_attention" else None
+        else:
+            window = self.sliding_window
+        return theta, rot, window
 
     @classmethod
     def from_recipe(cls, cfg: dict, recipe: "Recipe") -> "ModelSpec":
-        return cls.from_config(cfg, recipe.family, qk_norm=recipe.qk_norm, qkv_bias=recipe.qkv_bias)
+        return cls.from_config(cfg, recipe.family, **{k: recipe.feature(k) for k in FEATURES})
 
     @classmethod
-    def from_config(cls, cfg: dict, family: str = "llama", *, qk_norm: bool = False, qkv_bias: bool = False) -> "ModelSpec":
+    def from_config(cls, cfg: dict, family: str = "llama", *, qk_norm: bool = False, qkv_bias: bool = False,
+                    norm_offset: bool = False, sandwich_norms: bool = False, embed_scale: bool = False,
+                    act: str = "silu") -> "ModelSpec":
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
@@ -161,12 +204,21 @@ class ModelSpec:
                 vocab=int(cfg["vocab_size"]),
                 tied=bool(cfg.get("tie_word_embeddings", False)),
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_theta=float(cfg.get("rope_theta", _flat_rope(cfg).get("rope_theta", 10000.0))),
                 max_position=int(cfg.get("max_position_embeddings", 2048)),
-                rope_scaling=cfg.get("rope_scaling"),
+                rope_scaling=cfg.get("rope_scaling") or (
+                    _flat_rope(cfg) if _flat_rope(cfg).get("rope_type") not in (None, "default") else None),
                 qk_norm=qk_norm,
                 qkv_bias=qkv_bias,
                 sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) else None,
+                norm_offset=norm_offset,
+                sandwich_norms=sandwich_norms,
+                embed_scale=embed_scale,
+                act=act,
+                layer_types=tuple(str(t) for t in cfg.get("layer_types") or ()),
+                rope_by_type=_rope_by_type(cfg, hidden // heads if not cfg.get("head_dim") else int(cfg["head_dim"])),
+                attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+                final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
             )
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
@@ -182,6 +234,14 @@ class ModelSpec:
                 raise SpecError(f"config.json: {name}={v} is out of range (1..{hi})")
         if not (spec.rms_eps > 0 and spec.rope_theta > 0):
             raise SpecError("config.json: rms_norm_eps and rope_theta must be positive")
+        if spec.layer_types and (len(spec.layer_types) != spec.layers or
+                                 set(spec.layer_types) - {"full_attention", "sliding_attention"}):
+            raise SpecError("config.json: layer_types must list full_attention/sliding_attention for every layer")
+        if "sliding_attention" in spec.layer_types and not spec.sliding_window:
+            raise SpecError("config.json: sliding_attention layers need a positive sliding_window")
+        for t, theta, rot in spec.rope_by_type:
+            if not (theta > 0 and 0 < rot <= spec.head_dim and rot % 2 == 0):
+                raise SpecError(f"config.json: RoPE for {t}: theta {theta} / rotary dim {rot} out of range")
         if spec.heads % spec.kv_heads:
             raise SpecError(f"config.json: {spec.heads} heads is not a multiple of {spec.kv_heads} kv heads")
         rs = spec.rope_scaling
@@ -229,6 +289,42 @@ class ModelSpec:
                 out[f"layers.{i}.qkv.bias"] = (self.q_dim + 2 * self.kv_dim,)
         out["norm.weight"] = (self.hidden,)
         return out
+
+
+def _flat_rope(cfg: dict) -> dict:
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and not any(isinstance(v, dict) for v in rp.values()):
+        return rp
+    if isinstance(rp, dict):
+        return rp.get("full_attention") or {}
+    return {}
+
+
+def _rope_by_type(cfg: dict, head_dim: int) -> tuple:
+    """((layer type, theta, rotary dim), ...) from the config's RoPE fields.
+
+    Reads transformers-5 style ``rope_parameters`` (flat, or keyed by layer type, each with
+    optional ``partial_rotary_factor``), the older ``rope_theta`` / ``rope_local_base_freq``
+    (Gemma3) and a top-level ``partial_rotary_factor``."""
+    rp = cfg.get("rope_parameters")
+    top_factor = float(cfg.get("partial_rotary_factor", 1.0))
+    base = float(cfg.get("rope_theta", 10000.0))
+    out = {}
+    if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
+        for t, v in rp.items():
+            if isinstance(v, dict):
+                if v.get("rope_type", "default") != "default":
+                    raise SpecError(f"config.json: RoPE scaling {v.get('rope_type')!r} per layer type is not supported yet")
+                f = float(v.get("partial_rotary_factor", top_factor))
+                out[t] = (float(v.get("rope_theta", base)), int(head_dim * f) // 2 * 2)
+    else:
+        if isinstance(rp, dict):
+            base = float(rp.get("rope_theta", base))
+            top_factor = float(rp.get("partial_rotary_factor", top_factor))
+        out["full_attention"] = (base, int(head_dim * top_factor) // 2 * 2)
+        if cfg.get("rope_local_base_freq"):
+            out["sliding_attention"] = (float(cfg["rope_local_base_freq"]), out["full_attention"][1])
+    return tuple(sorted((t, th, rd) for t, (th, rd) in out.items()))
 
 
 def role_of(linear_name: str) -> str:

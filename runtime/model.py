@@ -89,9 +89,11 @@ class KVCache:
         return self.k.numel() * 2 + self.v.numel() * 2
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Gemma: scale by (1 + w) in fp32, then round
+        return (xf * (1.0 + w.float())).to(x.dtype)
     return w * xf.to(x.dtype)
 
 
@@ -104,16 +106,18 @@ class Model:
         self.max_model_len = max_model_len
         self.embedding = linears["embed"] if "embed" in linears else linears["lm_head"]
         self.head = linears["lm_head"]
-        ropes: dict[tuple, Rope] = {}
+        ropes: dict[tuple, Rope] = {}  # one table per distinct (theta, rotary dim), shared by its layers
         self.layer_cfg = []
-        for _ in range(spec.layers):
-            key = (spec.rope_theta, spec.head_dim)
-            if key not in ropes:
-                ropes[key] = Rope(spec, rope_len or max_model_len, spec.head_dim, spec.rope_theta)
-            self.layer_cfg.append(LayerCfg(ropes[key], spec.sliding_window))
+        for i in range(spec.layers):
+            theta, rot, window = spec.layer_attention(i)
+            if (theta, rot) not in ropes:
+                ropes[(theta, rot)] = Rope(spec, rope_len or max_model_len, rot, theta)
+            self.layer_cfg.append(LayerCfg(ropes[(theta, rot)], window))
         self.ropes = list(ropes.values())
         self.cache = KVCache(spec, kv_capacity)
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.scale = spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)
+        self.act = F.silu if spec.act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
+        self.embed_mult = torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16) if spec.embed_scale else None
 
     @property
     def capacity(self) -> int:
@@ -137,8 +141,8 @@ class Model:
         cfg = self.layer_cfg[i]
         q, k = q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim)
         if s.qk_norm:
-            q = rms_norm(q, self.norms[f"layers.{i}.q_norm.weight"], s.rms_eps)
-            k = rms_norm(k, self.norms[f"layers.{i}.k_norm.weight"], s.rms_eps)
+            q = rms_norm(q, self.norms[f"layers.{i}.q_norm.weight"], s.rms_eps, s.norm_offset)
+            k = rms_norm(k, self.norms[f"layers.{i}.k_norm.weight"], s.rms_eps, s.norm_offset)
         q = cfg.rope.apply(q, pos0)
         k = cfg.rope.apply(k, pos0)
         end = pos0 + t
@@ -162,22 +166,33 @@ class Model:
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         gu = self.lin[f"layers.{i}.gate_up"](x)
         g, u = gu.chunk(2, dim=-1)
-        return self.lin[f"layers.{i}.down"](F.silu(g) * u)
+        return self.lin[f"layers.{i}.down"](self.act(g) * u)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos0: int, last_only: bool = True) -> torch.Tensor:
         """ids: int64 [T] at positions pos0..pos0+T-1; returns float32 logits [T or 1, vocab]."""
-        eps = self.spec.rms_eps
+        s, n = self.spec, self.norms
+        eps, off = s.rms_eps, s.norm_offset
         x = self.embedding.embed(ids)
-        for i in range(self.spec.layers):
-            x = x + self._attention(i, rms_norm(x, self.norms[f"layers.{i}.attn_norm.weight"], eps), pos0)
-            x = x + self._mlp(i, rms_norm(x, self.norms[f"layers.{i}.mlp_norm.weight"], eps))
+        if self.embed_mult is not None:
+            x = x * self.embed_mult
+        for i in range(s.layers):
+            h = self._attention(i, rms_norm(x, n[f"layers.{i}.attn_norm.weight"], eps, off), pos0)
+            if s.sandwich_norms:
+                h = rms_norm(h, n[f"layers.{i}.post_attn_norm.weight"], eps, off)
+            x = x + h
+            h = self._mlp(i, rms_norm(x, n[f"layers.{i}.mlp_norm.weight"], eps, off))
+            if s.sandwich_norms:
+                h = rms_norm(h, n[f"layers.{i}.post_mlp_norm.weight"], eps, off)
+            x = x + h
         if last_only:
             x = x[-1:]
-        x = rms_norm(x, self.norms["norm.weight"], eps).contiguous()
+        x = rms_norm(x, n["norm.weight"], eps, off).contiguous()
         logits = self.head(x, out_dtype=torch.float32)
         if self.head.uses_kernel(x.shape[0]):
             self._refine_top(logits, x)
+        if s.final_softcap:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return logits
 
     def _refine_top(self, logits: torch.Tensor, x: torch.Tensor) -> None:

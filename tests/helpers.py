@@ -38,12 +38,12 @@ def byte_tokenizer(vocab_size: int) -> str:
 
 def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=320, tied=True,
                seed=0, dtype=torch.bfloat16, head_dim=None, arch="llama", **extra) -> Path:
-    """A random decoder (llama, qwen2, qwen3, mistral) saved as an HF checkpoint with a tokenizer."""
+    """A random decoder (llama, qwen2, qwen3, mistral, gemma3) saved as an HF checkpoint with a tokenizer."""
     import transformers
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma3": "Gemma3"}[arch]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, f"{name}Config")(
+    cfg = getattr(transformers, "Gemma3TextConfig" if arch == "gemma3" else f"{name}Config")(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
         tie_word_embeddings=tied, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -86,3 +86,23 @@ def host_capabilities() -> list[str]:
     if torch.cpu._is_avx512_supported():
         caps.append("avx512")
     return caps
+
+
+def dequant_reference(loaded, dtype=torch.float32):
+    """The same model on dense copies of its dequantized weights (dtype), for oracles."""
+    from sparkq.formats.layout import dequantize_codes, unpack
+    from sparkq.runtime.model import Model
+    from sparkq.runtime.weights import DenseLinear, Int4Linear
+
+    dense = {}
+    for n, lin in loaded.model.lin.items():
+        if isinstance(lin, Int4Linear):
+            w = dequantize_codes(unpack(lin.qweight, lin.layout, lin.n, lin.k), lin.scales_zeros, lin.g, torch.float32)
+        else:
+            w = lin.weight.float()
+        dense[n] = DenseLinear(n, w.to(dtype))
+    m = loaded.model
+    ref = Model(m.spec, dense, {k: v.to(dtype) for k, v in m.norms.items()}, max_model_len=m.max_model_len,
+                kv_capacity=m.cache.capacity)
+    ref.cache.k, ref.cache.v = ref.cache.k.to(dtype), ref.cache.v.to(dtype)
+    return ref

@@ -3,23 +3,24 @@ transformers (prefill + cached decode), then the int4 artifact against its own d
 import pytest
 import torch
 
-from helpers import make_llama
+from helpers import dequant_reference, make_llama
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats import Artifact
 from sparkq.runtime import load
-from sparkq.runtime.model import Model
-from sparkq.runtime.weights import DenseLinear
 
 FAMILIES = {
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3", head_dim=48),           # head_dim != hidden/heads, q/k norm
     "mistral": dict(arch="mistral", sliding_window=8),  # prompt longer than the window
+    # 5 sliding layers (theta 1e4, window 8) + 1 full (theta 1e6); q/k norms, (1+w) norms,
+    # sandwich norms, sqrt(hidden) embedding scale, GELU-tanh, query_pre_attn_scalar
+    "gemma3": dict(arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40),
 }
 
 
-def _hf_logits(path, ids):
+def _hf_logits(path, ids, dtype):
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
     with torch.no_grad():
         return m(torch.tensor([ids])).logits[0].float()
 
@@ -34,21 +35,26 @@ def test_family_bf16_vs_transformers_and_int4(fam, tmp_path):
     for _ in range(8):
         seq.append(int(steps[-1][-1].argmax()))
         steps.append(m.model.forward(torch.tensor(seq[-1:]), len(seq) - 1))
-    ours, ref = torch.cat(steps), _hf_logits(src, seq)
-    scale = ref.abs().max()
-    assert (ours - ref).abs().max() < 0.03 * scale, (fam, (ours - ref).abs().max(), scale)
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    ours = torch.cat(steps)
+    ref32, ref16 = _hf_logits(src, seq, torch.float32), _hf_logits(src, seq, torch.bfloat16)
+    # "within bf16 tolerance": no further from transformers-fp32 than transformers' own bf16 run is
+    # (random Gemma-style sandwich norms make bf16 itself drift by several % of the logit scale)
+    ours_err, hf_err = (ours - ref32).abs().max(), (ref16 - ref32).abs().max()
+    assert ours_err <= 1.5 * hf_err + 0.01 * ref32.abs().max(), (fam, ours_err, hf_err)
+    agree = lambda a: (a.argmax(-1) == ref32.argmax(-1)).float().mean()  # noqa: E731
+    assert agree(ours) >= agree(ref16) - 0.1, (fam, agree(ours), agree(ref16))
 
     out = tmp_path / f"{fam}-int4"
     convert(str(src), str(out), Options(progress=False))
     art = Artifact.open(out)
     assert art.spec.family == fam
     q = load(str(out), max_model_len=64)
-    dense = {n: DenseLinear(n, lin.dequant()) for n, lin in q.model.lin.items()}
-    deq = Model(q.model.spec, dense, q.model.norms, max_model_len=64, kv_capacity=64)
-    a = q.model.forward(torch.tensor(seq), 0, last_only=False)
-    b = deq.forward(torch.tensor(seq), 0, last_only=False)
-    assert ((a - b).abs().max() / b.abs().max()) < 0.03
+    t = torch.tensor(seq)
+    a = q.model.forward(t, 0, last_only=False)
+    b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
+    b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
+    # int4 kernels vs fp32 on the same dequantized weights: no worse than plain bf16 compute is
+    assert (a - b32).abs().max() <= 1.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max(), fam
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
@@ -61,5 +67,6 @@ def test_unknown_architecture_lists_supported(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     p = run_cli("spark-convert", src, tmp_path / "o")
     assert p.returncode == 2
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "--recipe"):
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
+                 "SparkForCausalLM", "--recipe"):
         assert arch in p.stderr, p.stderr

@@ -109,3 +109,13 @@ def test_synth_convert_bench(tmp_path):
     assert r["arms"]["passive"]["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     bad = run_cli("sparkq", "bench", tmp_path / "q", "--arm", "x=bogus=1")
     assert bad.returncode == 2 and "bogus" in bad.stderr
+
+
+def test_plot_option(tiny_tied_art, tmp_path):
+    import importlib.util
+    png = tmp_path / "m.png"
+    p = run_cli("sparkq", "memory", tiny_tied_art, "--max-model-len", "64", "--plot", png)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert p.returncode == 2 and "pip install matplotlib" in p.stderr
+    else:
+        assert p.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
