@@ -152,7 +152,9 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
         w.end()
         return 0.0
     check_shape(lin.n, lin.k)
-    sz_parts = []
+    # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
+    # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
+    sz_all = torch.empty(lin.k // lin.group_size, lin.n, 2, dtype=torch.bfloat16)
     w.begin(f"{lin.name}.qweight")
     for r0 in range(0, lin.n, chunk):
         r1 = min(lin.n, r0 + chunk)
@@ -161,12 +163,12 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
         err += e
         ref += rf
         w.write(pack_rows(codes.numpy(), lay, lin.n))
-        sz_parts.append(sz)
+        sz_all[:, r0:r1] = sz
+        del rows, codes, sz
         bar.update((r1 - r0) * lin.k // 2)
     w.end()
-    sz = torch.cat(sz_parts, dim=1).contiguous()
-    w.put(f"{lin.name}.scales_zeros", sz.view(torch.uint8).numpy())
-    bar.update(sz.numel() * 2)
+    w.put(f"{lin.name}.scales_zeros", sz_all.view(torch.uint8).numpy())
+    bar.update(sz_all.numel() * 2)
     return (err / ref) ** 0.5 if ref > 0 else 0.0
 
 
