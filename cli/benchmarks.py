@@ -1,7 +1,7 @@
 """Regenerate BENCHMARKS.md (+ BENCHMARKS.json): ``make benchmarks``.
 
 Runs the product's own commands (listed verbatim in the output) on the bundled example
-(SmolLM2-135M-Instruct) and on a synthetic Qwen3-1.7B shape (random weights, tied):
+(SmolLM2-135M-Instruct) and on a synthetic Qwen3-1.7B shape (random weights, tied), and on the Spark-like hybrid shape (RoPE memory A/B):
 conversion, memory ledger with peak vs settled, fidelity (example only: random weights
 have no meaningful fidelity), and interleaved speed arms int4 vs the bf16 reference.
 """
@@ -77,6 +77,15 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                          "bf16 reference": sh(["sparkq", "memory", big, "--json"], log)}
     res["big_bench"] = sh(["sparkq", "bench", big_q, "--arm", f"bf16=model={big}", "--passes", "3", "--pp", "128", "--tg", "32",
                            "--json"], log)
+    hy, hy_q = w / "spark-x2.5-1.7b-synth", w / "spark-x2.5-1.7b-synth-int4"
+    sh(["sparkq", "synth", hy, "--shape", "spark-x2.5-1.7b", "--force", "--json"], log)
+    res["hybrid_convert"] = sh(["spark-convert", hy, hy_q, "--force", "--json"], log)
+    res["hybrid_memory"] = {"int4, RoPE at max_model_len 2048": sh(["sparkq", "memory", hy_q, "--json"], log),
+                            "int4, RoPE from max_position_embeddings (1M)": sh(["sparkq", "memory", hy_q, "--rope-len-from-config",
+                                                                                 "--json"], log)}
+    for d in (big, hy):  # the bf16 checkpoints are 3.2 GiB each
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
     Path(out).with_suffix(".json").write_text(json.dumps(res, indent=1))
 
     m = res["machine"]
@@ -108,6 +117,14 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
           "", "### Memory", ""]
     L += mem_table(res["big_memory"])
     L += ["", "### Speed", "", format_bench(res["big_bench"]).replace("\n  ", "\n"), ""]
+    L += ["## Spark-like hybrid, 1.7B shape (synthetic; 1M-position config, sliding/full layers)", "",
+          "21 sliding-window layers (theta 1e4, full rotary 128) and 7 full-attention layers (theta 1e6, "
+          "partial rotary 64): two RoPE tables, one per (theta, rotary dim), each shared by its layers.", ""]
+    L += mem_table(res["hybrid_memory"])
+    a, b = res["hybrid_memory"].values()
+    L += ["", f"RoPE tables: {a['ledger']['categories']['rope tables']['bytes'] / 2**20:.1f} MiB at max_model_len vs "
+          f"{b['ledger']['categories']['rope tables']['bytes'] / 2**20:.1f} MiB sized from the config; "
+          f"peak RSS {a['peak_mib']:.0f} vs {b['peak_mib']:.0f} MiB.", ""]
     Path(out).write_text("\n".join(L) + "\n")
     print(f"wrote {out} and {Path(out).with_suffix('.json')}", file=sys.stderr)
 
