@@ -89,6 +89,8 @@ def convert(
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="then upload to this Hub repo (ORG/NAME)"),
     private: bool = typer.Option(False, "--private", help="with --push-to-hub: create the repo private"),
     revision: Optional[str] = typer.Option(None, "--revision", help="with --push-to-hub: branch to commit to"),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="with --push-to-hub: the card's base_model, "
+                                             "when SOURCE is not a Hub repo id (e.g. a GGUF)"),
 ):
     """Convert SOURCE into a sparkq int4 artifact at OUT."""
     from sparkq.convert.pipeline import Options
@@ -97,7 +99,7 @@ def convert(
     s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json)))
     if push_to_hub:
         from sparkq.convert.publish import upload as do_upload
-        s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision)
+        s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision, base_model=base_model)
     if as_json:
         typer.echo(json.dumps(s, indent=1))
     else:
@@ -145,11 +147,13 @@ def verify(artifact: str):
 @app.command()
 def upload(artifact: str, repo_id: str, private: bool = typer.Option(False, "--private"),
            revision: Optional[str] = typer.Option(None, "--revision", help="branch to commit to (created if needed)"),
+           base_model: Optional[str] = typer.Option(None, "--base-model", help="the card's base_model when the source "
+                                                    "was not a Hub repo id"),
            as_json: bool = typer.Option(False, "--json")):
     """Upload an artifact to the Hub as the <layout>/ variant of REPO_ID, with a generated model card."""
     from sparkq.convert.publish import upload as do_upload
 
-    u = _run(do_upload, artifact, repo_id, private=private, revision=revision)
+    u = _run(do_upload, artifact, repo_id, private=private, revision=revision, base_model=base_model)
     typer.echo(json.dumps(u, indent=1) if as_json else
                _table([("repo", f"{u['repo']}@{u['revision']}"), ("variant", f"{u['variant']}/ ({', '.join(u['variants'])} in repo)"),
                        ("commit", u["commit"]), ("message", u["commit_message"]), ("files", str(u["files"]))]))

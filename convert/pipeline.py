@@ -305,6 +305,10 @@ def import_gguf(src: str, out: str, force: bool = False, progress: bool = True) 
         w.close()
         (tmp / C.CONFIG_FILE).write_text(json.dumps(source.config, indent=2, sort_keys=True))
         carried = _carry_files(source, tmp)
+        if source.origin.get("license"):  # keep the license with the weights (read back by spark-convert)
+            (tmp / "README.md").write_text(f"---\nlicense: {source.origin['license']}\n---\n\n"
+                                           f"bf16 checkpoint imported by `sparkq import-gguf` from {source.origin['id']}.\n")
+            carried.append("README.md")
         size = (tmp / "model.safetensors").stat().st_size
     return {"source": source.origin, "output": str(Path(out).absolute()), "tensors": len(names),
             "bytes": size, "files": ["config.json", "model.safetensors", *carried],

@@ -57,12 +57,12 @@ def _measured_tables(m: dict) -> list[str]:
     return lines
 
 
-def model_card(art: Artifact, repo_id: str, variants: list[str]):
+def model_card(art: Artifact, repo_id: str, variants: list[str], base_model: str | None = None):
     from huggingface_hub import ModelCard, ModelCardData
 
     s = art.summary()
     src = art.manifest.get("source") or {}
-    base = src.get("id") if src.get("kind") == "hub" else None
+    base = base_model or (src.get("id") if src.get("kind") == "hub" else None)
     data = ModelCardData(
         base_model=base, base_model_relation="quantized" if base else None, library_name="sparkq",
         pipeline_tag="text-generation", tags=["sparkq", "int4", "cpu", *variants],
@@ -70,7 +70,7 @@ def model_card(art: Artifact, repo_id: str, variants: list[str]):
     groups = ", ".join(f"{k}: {v} linears" for k, v in s["group_sizes"].items())
     body = [
         f"# {repo_id.split('/')[-1]} (sparkq int4)", "",
-        f"An int4 artifact of `{src.get('id')}` for [sparkq](https://pypi.org/project/sparkq/): weights already packed "
+        f"An int4 artifact of `{base or src.get('id')}` for [sparkq](https://pypi.org/project/sparkq/): weights already packed "
         "in the byte layout PyTorch's CPU int4 kernel reads, memory-mapped at load with no repack and no copy.", "",
         "```bash", "pip install sparkq", f'sparkq generate {repo_id} "The capital of France is"', "```", "",
         "sparkq downloads only the folder for your CPU's layout. It is **not** loadable with transformers.", "",
@@ -89,7 +89,8 @@ def model_card(art: Artifact, repo_id: str, variants: list[str]):
     return ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(body) + "\n")
 
 
-def upload(artifact: str, repo_id: str, *, private: bool = False, revision: str | None = None) -> dict:
+def upload(artifact: str, repo_id: str, *, private: bool = False, revision: str | None = None,
+           base_model: str | None = None) -> dict:
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -116,7 +117,7 @@ def upload(artifact: str, repo_id: str, *, private: bool = False, revision: str 
         for f in sorted(Path(artifact).rglob("*")):
             if f.is_file():
                 ops.append(CommitOperationAdd(f"{layout}/{f.relative_to(artifact).as_posix()}", str(f)))
-        card = model_card(art, repo_id, variants)
+        card = model_card(art, repo_id, variants, base_model)
         ops.append(CommitOperationAdd("README.md", str(card).encode()))
         msg = (f"sparkq {sparkq_version()}: {layout} int4 artifact of {source} "
                f"(format {C.FORMAT_VERSION}, method {art.manifest.get('method')})")
