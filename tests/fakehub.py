@@ -128,24 +128,19 @@ class FakeHub:
                     return self._send(200 if m.group(1) in hub.lfs else 404, {})
                 m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
                 if m and method == "GET":
-                    rid, rev = m.group(1), m.group(2) or "main"
-                    if rid not in hub.repos:
-                        return self._err(404, "Repository not found")
-                    r = hub.repos[rid]
-                    sha = r.branches.get(rev, rev)
-                    if sha not in r.commits:
-                        return self._send(404, {"error": "Revision not found"}, {"X-Error-Code": "RevisionNotFound"})
+                    rid = m.group(1)
+                    sha = self._resolve(rid, m.group(2) or "main")
+                    if sha is None:
+                        return None
                     return self._send(200, {"id": rid, "modelId": rid, "sha": sha, "private": False,
-                                            "siblings": [{"rfilename": p} for p in sorted(r.commits[sha])]})
+                                            "siblings": [{"rfilename": p} for p in sorted(hub.repos[rid].commits[sha])]})
                 m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?", path)
                 if m and method == "GET":
-                    rid, rev, sub = m.group(1), m.group(2), (m.group(3) or "").strip("/")
-                    if rid not in hub.repos:
-                        return self._err(404, "Repository not found")
+                    rid, sub = m.group(1), (m.group(3) or "").strip("/")
+                    sha = self._resolve(rid, m.group(2))
+                    if sha is None:
+                        return None
                     r = hub.repos[rid]
-                    sha = r.branches.get(rev, rev)
-                    if sha not in r.commits:
-                        return self._send(404, {"error": "Revision not found"}, {"X-Error-Code": "RevisionNotFound"})
                     out, dirs = [], set()
                     recursive = q.get("recursive", ["False"])[0].lower() == "true"
                     for p, e in sorted(r.commits[sha].items()):
@@ -166,13 +161,10 @@ class FakeHub:
                 m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
                 if m and method in ("GET", "HEAD"):
                     rid, rev, fpath = m.groups()
-                    if rid not in hub.repos:
-                        return self._err(404, "Repository not found")
-                    r = hub.repos[rid]
-                    sha = r.branches.get(rev, rev)
-                    files = r.commits.get(sha)
-                    if files is None:
-                        return self._send(404, {"error": "Revision not found"}, {"X-Error-Code": "RevisionNotFound"})
+                    sha = self._resolve(rid, rev)
+                    if sha is None:
+                        return None
+                    files = hub.repos[rid].commits[sha]
                     if fpath not in files:
                         return self._send(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
                     e = files[fpath]
@@ -189,6 +181,18 @@ class FakeHub:
                                           "application/octet-stream")
                     return self._send(200, data, headers, "application/octet-stream")
                 return self._err(404, f"no route for {method} {path}")
+
+            def _resolve(self, rid, rev):
+                """Commit sha of rid@rev, or None after answering 404."""
+                if rid not in hub.repos:
+                    self._err(404, "Repository not found")
+                    return None
+                r = hub.repos[rid]
+                sha = r.branches.get(rev, rev)
+                if sha not in r.commits:
+                    self._send(404, {"error": "Revision not found"}, {"X-Error-Code": "RevisionNotFound"})
+                    return None
+                return sha
 
             def _preupload(self, repo, rid, rev, body):
                 d = json.loads(body)
