@@ -82,7 +82,8 @@ def convert(
     group_size: int = typer.Option(128, "--group-size", help="int4 group size along K (32, 64, 128, 256)"),
     target: str = typer.Option("native", "--target", help="packed layout: native|avx512|avx2|default"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe TOML overriding the built-in one"),
-    method: str = typer.Option("minmax", "--method", help="quantization method"),
+    method: str = typer.Option("minmax", "--method", help="quantization method: minmax | clip (slower, lower error)"),
+    head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | int8 | bf16 (default: recipe)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
@@ -96,7 +97,7 @@ def convert(
     from sparkq.convert.pipeline import Options
     from sparkq.convert.pipeline import convert as do_convert
 
-    s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json)))
+    s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json), head))
     if push_to_hub:
         from sparkq.convert.publish import upload as do_upload
         s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision, base_model=base_model)

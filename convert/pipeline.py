@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from .errors import ConvertError
 from .output import atomic_dir
-from .quantize import METHODS, quantize_rows
+from .quantize import METHODS, quantize_int8_rows, quantize_rows
 from .source import Source, open_source
 
 ROW_CHUNK_ELEMS = 256 << 10  # float32 elements per row block (1 MiB): keeps peak RSS low
@@ -45,6 +45,7 @@ class Options:
     method: str = "minmax"
     force: bool = False
     progress: bool = True
+    head: str | None = None  # None: the recipe decides; int4 | int8 | bf16 for lm_head and embed
 
 
 @dataclass
@@ -54,10 +55,11 @@ class PlannedLinear:
     k: int
     group_size: int | None
     sources: list[str]
+    int8: bool = False
 
     @property
     def kind(self) -> str:
-        return C.KIND_INT4 if self.group_size else C.KIND_BF16
+        return C.KIND_INT8 if self.int8 else C.KIND_INT4 if self.group_size else C.KIND_BF16
 
 
 def _target_layout(target: str) -> str:
@@ -79,6 +81,8 @@ def plan(source: Source, opts: Options):
         raise ConvertError(str(e)) from None
     if opts.group_size not in C.GROUP_SIZES:
         raise ConvertError(f"--group-size {opts.group_size} is not supported; choose one of {C.GROUP_SIZES}")
+    if opts.head not in (None, "int4", "int8", "bf16"):
+        raise ConvertError(f"unknown --head {opts.head!r}; choose int4, int8 or bf16")
     if opts.method not in METHODS:
         raise ConvertError(f"unknown --method {opts.method!r}; choose one of {', '.join(METHODS)}")
     srcs = recipe.source_names(spec)
@@ -96,8 +100,11 @@ def plan(source: Source, opts: Options):
             if tuple(source.shapes[p]) != (r, k):
                 raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, config implies {[r, k]}; "
                                    "config.json and weights disagree")
-        g = choose_group_size(n, k, recipe, role_of(name), opts.group_size)
-        linears.append(PlannedLinear(name, n, k, g, parts))
+        role = role_of(name)
+        head = role in (C.ROLE_LM_HEAD, C.ROLE_EMBED) and opts.head
+        g = None if head in ("bf16", "int8") else choose_group_size(n, k, recipe, role, opts.group_size)
+        int8 = head == "int8" or (not head and role in recipe.keep_int8)
+        linears.append(PlannedLinear(name, n, k, None if int8 else g, parts, int8))
     vectors = spec.vector_shapes()
     for name, shape in vectors.items():
         got = sum(source.shapes[p][0] for p in srcs[name] if len(source.shapes[p]) == 1)
@@ -151,6 +158,20 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
             bar.update(rows.numel() * 2)
         w.end()
         return 0.0
+    if lin.kind == C.KIND_INT8:
+        scales = torch.empty(lin.n, dtype=torch.bfloat16)
+        w.begin(f"{lin.name}.qweight")
+        for r0 in range(0, lin.n, chunk):
+            r1 = min(lin.n, r0 + chunk)
+            rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
+            q, s, e, rf = quantize_int8_rows(rows)
+            err, ref = err + e, ref + rf
+            w.write(q.view(torch.uint8).numpy())
+            scales[r0:r1] = s
+            bar.update(q.numel())
+        w.end()
+        w.put(f"{lin.name}.scales", scales.view(torch.uint8).numpy())
+        return (err / ref) ** 0.5 if ref > 0 else 0.0
     check_shape(lin.n, lin.k)
     # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
     # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
@@ -253,12 +274,12 @@ def convert(src: str, out: str, opts: Options) -> dict:
     elapsed = time.perf_counter() - t0
     groups: dict[str, list[str]] = {}
     for l in linears:
-        groups.setdefault(f"g{l.group_size}" if l.group_size else "bf16", []).append(l.name)
+        groups.setdefault(f"g{l.group_size}" if l.group_size else l.kind, []).append(l.name)
     params = sum(l.n * l.k for l in linears) + sum(s[0] for s in vectors.values())
     largest = max(source.nbytes(p) for names in srcs.values() for p in names)
     by_role: dict[str, list[float]] = {}
     for n, e in errors.items():
-        if by_name[n].kind == C.KIND_INT4:
+        if by_name[n].kind != C.KIND_BF16:
             by_role.setdefault(role_of(n), []).append(e)
     return {
         "source": source.origin,
@@ -273,7 +294,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
         "parameters": params,
         "tied_embeddings": spec.tied,
         "group_sizes": {g: len(v) for g, v in groups.items()},
-        "group_size_by_role": {role_of(l.name): (l.group_size or "bf16") for l in linears},
+        "group_size_by_role": {role_of(l.name): (l.group_size or l.kind) for l in linears},
         "rel_error_by_role": {r: {"mean": sum(v) / len(v), "max": max(v)} for r, v in by_role.items()},
         "carried_files": carried,
         "seconds": elapsed,

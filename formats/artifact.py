@@ -88,7 +88,7 @@ def _check_manifest_types(path: Path, m: dict) -> None:
     if "source" in m and not isinstance(m["source"], dict):
         bad("source", "an object")
     for name, e in m["linears"].items():
-        if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_BF16) \
+        if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_INT8, C.KIND_BF16) \
                 or type(e.get("n")) is not int or type(e.get("k")) is not int \
                 or not (e.get("group_size") is None or type(e.get("group_size")) is int) \
                 or not isinstance(e.get("sources", []), list):
@@ -243,7 +243,7 @@ class Artifact:
             b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size))
             role = lin.role if not lin.name.startswith("layers.") else lin.role
             roles[role] = roles.get(role, 0) + b
-            key = f"g{lin.group_size}" if lin.kind == C.KIND_INT4 else "bf16"
+            key = f"g{lin.group_size}" if lin.kind == C.KIND_INT4 else lin.kind
             groups[key] = groups.get(key, 0) + 1
             q_params += lin.n * lin.k
             q_bytes += b

@@ -17,6 +17,8 @@ Tensor names (``L`` is the layer index)::
     <linear>.qweight        uint8 [N, K/2]      packed int4 codes (layout.py)
     <linear>.scales_zeros   bf16  [K/g, N, 2]   per-group scale, zero
     <linear>.weight         bf16  [N, K]        a linear kept in bf16
+    <linear>.qweight        int8  [N, K]        an int8 linear (kind int8: w = q * scale[n])
+    <linear>.scales         bf16  [N]           its per-row scales
     <norm>.weight           bf16  [D]
     <linear>.bias           bf16  [N]
 
@@ -57,10 +59,12 @@ LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)
 LAYER_NORMS = ("attn_norm", "mlp_norm")
 
 KIND_INT4 = "int4"
+KIND_INT8 = "int8"  # per-row symmetric int8 (torch's _weight_int8pack_mm), for sensitive roles
 KIND_BF16 = "bf16"
 
 # safetensors dtype strings we use
 DTYPE_U8 = "U8"
+DTYPE_I8 = "I8"
 DTYPE_BF16 = "BF16"
 DTYPE_BYTES = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I8": 1, "I32": 4, "F64": 8,
                "I64": 8, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}

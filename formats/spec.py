@@ -30,6 +30,7 @@ class Recipe:
     group_size: int = 128
     group_size_fallbacks: tuple[int, ...] = (64, 32)
     keep_bf16: tuple[str, ...] = ()
+    keep_int8: tuple[str, ...] = ()
     features: tuple = ()  # sorted (name, value) pairs of the recipe's [features] table (FEATURES)
     path: str = ""
 
@@ -93,6 +94,7 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             group_size=int(q.get("group_size", 128)),
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
             keep_bf16=tuple(q.get("keep_bf16", ())),
+            keep_int8=tuple(q.get("keep_int8", ())),
             features=_features(d.get("features", {}), path),
             path=path,
         )
@@ -340,6 +342,8 @@ def linear_tensors(name: str, kind: str, n: int, k: int, group_size: int | None)
             f"{name}.qweight": (C.DTYPE_U8, (n, k // 2)),
             f"{name}.scales_zeros": (C.DTYPE_BF16, (k // group_size, n, 2)),
         }
+    if kind == C.KIND_INT8:
+        return {f"{name}.qweight": (C.DTYPE_I8, (n, k)), f"{name}.scales": (C.DTYPE_BF16, (n,))}
     if kind == C.KIND_BF16:
         return {f"{name}.weight": (C.DTYPE_BF16, (n, k))}
     raise SpecError(f"{name}: unknown linear kind {kind!r}")

@@ -29,7 +29,7 @@ def _file_ranges() -> list[tuple[int, int, str]]:
 
 def model_regions(loaded) -> list[tuple[str, str, object]]:
     """(category, name, tensor) for every buffer the model holds."""
-    from sparkq.runtime.weights import DenseLinear, Int4Linear
+    from sparkq.runtime.weights import DenseLinear, Int4Linear, Int8Linear
 
     m = loaded.model
     out = []
@@ -38,6 +38,9 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
         if isinstance(lin, Int4Linear):
             out.append(("embedding/head" if head else "int4 weights", f"{name}.qweight", lin.qweight))
             out.append(("embedding/head" if head else "scales/zeros", f"{name}.scales_zeros", lin.scales_zeros))
+        elif isinstance(lin, Int8Linear):
+            out.append(("embedding/head" if head else "int8 weights", f"{name}.qweight", lin.qweight))
+            out.append(("embedding/head" if head else "scales/zeros", f"{name}.scales", lin.scales))
         elif isinstance(lin, DenseLinear):
             out.append(("embedding/head" if head else "bf16 weights", f"{name}.weight", lin.weight))
     for name, t in m.norms.items():

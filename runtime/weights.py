@@ -93,6 +93,31 @@ class Int4Linear:
         return self.rows(ids)
 
 
+class Int8Linear:
+    """Per-row int8 weights (sensitive roles such as the tied head): torch's int8 kernel,
+    rows gathered straight from the mapped bytes for the embedding."""
+
+    def __init__(self, name: str, qweight: torch.Tensor, scales: torch.Tensor):
+        self.name, self.qweight, self.scales = name, qweight, scales
+        self.n, self.k = qweight.shape
+
+    def uses_kernel(self, m: int) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def rows(self, ids: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+        return (self.qweight[ids].to(torch.float32) * self.scales[ids].to(torch.float32)[:, None]).to(dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids)
+
+    def dequant(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.n))
+
+
 class DenseLinear:
     """A bf16 linear (bf16 reference checkpoints, or linears the recipe kept in bf16)."""
 
@@ -124,6 +149,8 @@ def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratc
         if lin.kind == C.KIND_INT4:
             out[name] = Int4Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales_zeros"],
                                    lin.group_size, lin.n, lin.k, art.layout, scratch, prefill_dequant)
+        elif lin.kind == C.KIND_INT8:
+            out[name] = Int8Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
         else:
             out[name] = DenseLinear(name, tensors[f"{name}.weight"])
     return out

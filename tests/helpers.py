@@ -98,8 +98,10 @@ def dequant_reference(loaded, dtype=torch.float32):
     for n, lin in loaded.model.lin.items():
         if isinstance(lin, Int4Linear):
             w = dequantize_codes(unpack(lin.qweight, lin.layout, lin.n, lin.k), lin.scales_zeros, lin.g, torch.float32)
-        else:
+        elif isinstance(lin, DenseLinear):
             w = lin.weight.float()
+        else:  # Int8Linear
+            w = lin.rows(torch.arange(lin.n), torch.float32)
         dense[n] = DenseLinear(n, w.to(dtype))
     m = loaded.model
     ref = Model(m.spec, dense, {k: v.to(dtype) for k, v in m.norms.items()}, max_model_len=m.max_model_len,

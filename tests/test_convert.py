@@ -273,3 +273,33 @@ def test_convert_gguf_directly_equals_via_import(example_bf16, tmp_path):
     assert a["source"]["kind"] == "gguf" and a["tied_embeddings"]
     assert (tmp_path / "g" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "b" / C.WEIGHTS_FILE).read_bytes()
     assert (tmp_path / "g" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+
+
+def test_int8_head_and_clip_method(tiny_tied, tmp_path):
+    """--head int8 stores the tied head once as per-row int8 (gathered for the embedding);
+    --method clip lowers the weight reconstruction error."""
+    import torch
+
+    from helpers import dequant_reference
+    from sparkq.runtime import load
+    from sparkq.runtime.weights import Int8Linear
+    a = convert(str(tiny_tied), str(tmp_path / "h8"), Options(progress=False, head="int8"))
+    art = Artifact.open(tmp_path / "h8")
+    assert art.linears["lm_head"].kind == "int8" and art.infos["lm_head.qweight"].dtype == "I8"
+    assert a["group_size_by_role"]["lm_head"] == "int8" and not any(n.startswith("embed") for n in art.infos)
+    m = load(str(tmp_path / "h8"), max_model_len=64)
+    head = m.model.lin["lm_head"]
+    assert isinstance(head, Int8Linear) and m.model.embedding is head
+    ids = torch.tensor([0, 5, 17, 300, 319])
+    assert torch.equal(head.embed(ids), head.rows(ids))
+    t = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2))
+    out = m.model.forward(t, 0, last_only=False)
+    b16 = dequant_reference(m, torch.bfloat16).forward(t, 0, last_only=False)
+    b32 = dequant_reference(m, torch.float32).forward(t, 0, last_only=False)
+    assert (out - b32).abs().max() <= 1.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max()
+    assert a["rel_error_by_role"]["lm_head"]["mean"] < 0.02
+    mm = convert(str(tiny_tied), str(tmp_path / "mm"), Options(progress=False))
+    cl = convert(str(tiny_tied), str(tmp_path / "cl"), Options(progress=False, method="clip"))
+    for role in ("qkv", "gate_up", "down"):
+        assert cl["rel_error_by_role"][role]["mean"] < mm["rel_error_by_role"][role]["mean"]
+    assert Artifact.open(tmp_path / "cl").manifest["method"] == "clip"
