@@ -11,7 +11,7 @@ from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.hub import is_repo_id
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, LayoutError, host_layout
-from sparkq.formats.spec import ModelSpec, SpecError, recipe_for_config
+from sparkq.formats.spec import ModelSpec, recipe_for_config
 
 from .errors import RuntimeUserError
 from .generate import Generator
@@ -79,34 +79,48 @@ def _load_bf16_checkpoint(path: Path):
 
     try:
         config = json.loads((path / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not an object")
         recipe = recipe_for_config(config)
         spec = ModelSpec.from_recipe(config, recipe)
     except FileNotFoundError:
         raise RuntimeUserError(f"{path}: neither a sparkq artifact nor an HF checkpoint (no config.json)") from None
-    except SpecError as e:
-        raise RuntimeUserError(f"{path}: {e}") from None
-    idx = path / "model.safetensors.index.json"
-    files = sorted({path / f for f in json.loads(idx.read_text())["weight_map"].values()}) if idx.exists() \
-        else [path / "model.safetensors"]
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise RuntimeUserError(f"{path}/config.json: {e}") from None
+    try:
+        idx = path / "model.safetensors.index.json"
+        files = sorted({path / f for f in json.loads(idx.read_text())["weight_map"].values()}) if idx.exists() \
+            else [path / "model.safetensors"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise RuntimeUserError(f"{path}/model.safetensors.index.json: not a valid index (needs 'weight_map')") from None
     handles = {}
     for f in files:
         if not f.exists():
             raise RuntimeUserError(f"{f}: missing; the checkpoint is incomplete")
-        h = safe_open(str(f), "pt")
+        try:
+            h = safe_open(str(f), "pt")
+        except Exception as e:  # safetensors raises its own error type on a bad header
+            raise RuntimeUserError(f"{f}: not a readable safetensors file ({str(e)[:100]})") from None
         for k in h.keys():
             handles[k] = h
 
-    def get(name):
+    def get(name, shape):
         if name not in handles:
             raise RuntimeUserError(f"{path}: tensor {name} missing from the checkpoint")
-        return handles[name].get_tensor(name).to(torch.bfloat16)
+        t = handles[name].get_tensor(name)
+        if tuple(t.shape) != tuple(shape) or not t.is_floating_point():
+            raise RuntimeUserError(f"{path}: tensor {name} is {t.dtype}{list(t.shape)}, config.json implies a float {list(shape)}")
+        return t.to(torch.bfloat16)
 
     srcs = recipe.source_names(spec)
     linears = {}
-    for name in spec.linear_shapes():
-        parts = [get(n) for n in srcs[name]]
+    for name, (_, k) in spec.linear_shapes().items():
+        parts = [get(n, (r, k)) for n, r in zip(srcs[name], spec.part_rows(name))]
         linears[name] = DenseLinear(name, parts[0] if len(parts) == 1 else torch.cat(parts, 0))
-    norms = {n: torch.cat([get(p) for p in srcs[n]]) for n in spec.vector_shapes()}
+    norms = {}
+    for n, (size,) in spec.vector_shapes().items():
+        per = size // len(srcs[n])
+        norms[n] = torch.cat([get(p, (per,)) for p in srcs[n]])
     return config, spec, linears, norms
 
 

@@ -211,3 +211,17 @@ def test_example_bf16_reference_runs(example_bf16):
     m = load(str(example_bf16))
     assert isinstance(m.model.lin["layers.0.qkv"], DenseLinear)
     assert "Paris" in m.generate("The capital of France is", max_new_tokens=8)["text"]
+
+
+def test_bf16_checkpoint_errors(tiny_tied, tmp_path):
+    import shutil
+    bad = tmp_path / "b"
+    shutil.copytree(tiny_tied, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 512
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeUserError, match="config.json implies"):
+        load(str(bad))
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(RuntimeUserError, match="config.json"):
+        load(str(bad))
