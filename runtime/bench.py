@@ -105,12 +105,25 @@ def _child_sparkq(a: dict) -> dict:
             "decode_bytes_per_token": decode_bytes_per_token(m), "threads": torch.get_num_threads()}
 
 
+def _procmem_without_torch():
+    """sparkq.formats.procmem loaded by path: importing the package would pull in torch
+    (~200 MiB) and inflate the llama.cpp arm's RSS."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "formats" / "procmem.py"
+    spec = importlib.util.spec_from_file_location("_sparkq_procmem", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _child_llama(a: dict) -> dict:
     import random
 
     from llama_cpp import Llama
 
-    from sparkq.formats.procmem import RssSampler
+    RssSampler = _procmem_without_torch().RssSampler
 
     t0 = time.perf_counter()
     with RssSampler(0.002) as s:
