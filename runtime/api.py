@@ -119,8 +119,9 @@ def _load_bf16_checkpoint(path: Path):
         linears[name] = DenseLinear(name, parts[0] if len(parts) == 1 else torch.cat(parts, 0))
     norms = {}
     for n, (size,) in spec.vector_shapes().items():
-        per = size // len(srcs[n])
-        norms[n] = torch.cat([get(p, (per,)) for p in srcs[n]])
+        # a fused vector (the qkv bias) has one part per fused linear part
+        sizes = spec.part_rows(n.rsplit(".", 1)[0]) if len(srcs[n]) > 1 else [size]
+        norms[n] = torch.cat([get(p, (r,)) for p, r in zip(srcs[n], sizes)])
     return config, spec, linears, norms
 
 
