@@ -151,6 +151,8 @@ class Model:
         start = 0 if cfg.window is None else max(0, end - cfg.window - t + 1)
         keys = self.cache.k[i, :, start:end]
         vals = self.cache.v[i, :, start:end]
+        if t == 1:  # decode: the cache slice is exactly the visible window, no mask needed
+            return self.lin[f"layers.{i}.o"](self._decode_attention(q, keys, vals))
         qh = q.transpose(0, 1)  # [H, T, D]
         mask = None
         if t > 1 or cfg.window is not None:
@@ -162,6 +164,15 @@ class Model:
         o = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, scale=self.scale,
                                            enable_gqa=s.heads != s.kv_heads)
         return self.lin[f"layers.{i}.o"](o.transpose(0, 1).reshape(t, s.q_dim))
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """One query token, GQA as a grouped matmul (SDPA takes its slow math path for this
+        shape on CPU): q [1, H, D], keys/vals [KV, L, D] -> [1, H*D]."""
+        s = self.spec
+        qg = q.view(s.kv_heads, s.heads // s.kv_heads, s.head_dim)
+        att = torch.matmul(qg, keys.transpose(1, 2)).float().mul_(self.scale).softmax(-1)
+        o = torch.matmul(att.to(vals.dtype), vals)  # [KV, G, D]
+        return o.reshape(1, s.q_dim)
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         gu = self.lin[f"layers.{i}.gate_up"](x)
