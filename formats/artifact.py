@@ -241,8 +241,7 @@ class Artifact:
         q_params = q_bytes = 0
         for lin in self.linears.values():
             b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size))
-            role = lin.role if not lin.name.startswith("layers.") else lin.role
-            roles[role] = roles.get(role, 0) + b
+            roles[lin.role] = roles.get(lin.role, 0) + b
             key = f"g{lin.group_size}" if lin.kind == C.KIND_INT4 else lin.kind
             groups[key] = groups.get(key, 0) + 1
             q_params += lin.n * lin.k

@@ -37,10 +37,6 @@ class Scratch:
             self.buf = torch.empty(n, dtype=self.dtype)
         return self.buf[:n]
 
-    @property
-    def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
-
 
 class Int4Linear:
     def __init__(self, name: str, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,

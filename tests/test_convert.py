@@ -152,9 +152,9 @@ print(json.dumps(s))
 
 def test_transformers_refuses_artifact(tiny_tied_art):
     from transformers import AutoModelForCausalLM
-    with pytest.raises(Exception) as e:
+    # the weights file is deliberately not model.safetensors: transformers finds no weights it can read
+    with pytest.raises(OSError, match="model.safetensors"):
         AutoModelForCausalLM.from_pretrained(tiny_tied_art)
-    assert "safetensors" in str(e.value) or "sparkq" in str(e.value) or "model" in str(e.value)
 
 
 @pytest.mark.parametrize("case", ["missing", "unknown_arch", "bad_dtype", "shape", "pickle_only", "group"])
@@ -189,7 +189,7 @@ def test_errors_one_line_exit_2(case, tiny_tied, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in p.stderr, p.stderr
     assert not out.exists() and not [x for x in tmp_path.iterdir() if ".sparkq-tmp-" in x.name]
     want = {"missing": "no such file", "unknown_arch": "FooForCausalLM", "bad_dtype": "I32",
-            "shape": "intermediate" if False else "shape", "pickle_only": "never unpickles", "group": "group-size"}[case]
+            "shape": "shape", "pickle_only": "never unpickles", "group": "group-size"}[case]
     assert want in lines[0], lines[0]
 
 
