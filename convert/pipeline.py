@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -24,10 +24,11 @@ from tqdm import tqdm
 
 from .errors import ConvertError
 from .output import atomic_dir
-from .quantize import METHODS, quantize_int8_rows, quantize_rows
+from .quantize import CALIBRATED, METHODS, gptq_factor, gptq_rows, quantize_int8_rows, quantize_rows
 from .source import Source, open_source
 
 ROW_CHUNK_ELEMS = 256 << 10  # float32 elements per row block (1 MiB): keeps peak RSS low
+GPTQ_ROW_ELEMS = 4 << 20  # gptq: 16 MiB row blocks (its per-column loop runs once per block)
 
 
 def sparkq_version() -> str:
@@ -42,10 +43,12 @@ class Options:
     group_size: int = 128
     target: str = "native"
     recipe: str | None = None
-    method: str = "minmax"
+    method: str = "auto"  # auto: gptq when calibration text is given (--calib), else clip
     force: bool = False
     progress: bool = True
     head: str | None = None  # None: the recipe decides; int4 | int8 | bf16 for lm_head and embed
+    calib: str | None = None  # calibration text for --method gptq
+    calib_tokens: int = 8192
 
 
 @dataclass
@@ -83,8 +86,8 @@ def plan(source: Source, opts: Options):
         raise ConvertError(f"--group-size {opts.group_size} is not supported; choose one of {C.GROUP_SIZES}")
     if opts.head not in (None, "int4", "int8", "bf16"):
         raise ConvertError(f"unknown --head {opts.head!r}; choose int4, int8 or bf16")
-    if opts.method not in METHODS:
-        raise ConvertError(f"unknown --method {opts.method!r}; choose one of {', '.join(METHODS)}")
+    if opts.method not in (*METHODS, "auto"):
+        raise ConvertError(f"unknown --method {opts.method!r}; choose auto or one of {', '.join(METHODS)}")
     srcs = recipe.source_names(spec)
     for module, names in srcs.items():
         for n in names:
@@ -145,19 +148,24 @@ def _read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0:
 
 
 def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: PlannedLinear, layout: str,
-                  method: str, bar) -> float:
+                  method: str, bar, hessian: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+    """Quantize, pack and write one linear. With a calibration ``hessian`` (gptq) it also
+    returns the dequantized weight (float32 [N, K]) so the calibration can move on through it."""
     part_rows = spec.part_rows(lin.name)
     lay = get_layout(layout)
     chunk = max(lay.block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
     err = ref = 0.0
+    deq = torch.empty(lin.n, lin.k) if hessian is not None else None
     if lin.kind == C.KIND_BF16:
         w.begin(f"{lin.name}.weight")
         for r0 in range(0, lin.n, chunk):
             rows = _read_fused_rows(source, lin.sources, part_rows, r0, min(lin.n, r0 + chunk))
+            if deq is not None:
+                deq[r0:r0 + rows.shape[0]] = rows.to(torch.bfloat16).float()
             w.write(rows.to(torch.bfloat16).view(torch.uint8).numpy())
             bar.update(rows.numel() * 2)
         w.end()
-        return 0.0
+        return 0.0, deq
     if lin.kind == C.KIND_INT8:
         scales = torch.empty(lin.n, dtype=torch.bfloat16)
         w.begin(f"{lin.name}.qweight")
@@ -166,21 +174,35 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
             rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
             q, s, e, rf = quantize_int8_rows(rows)
             err, ref = err + e, ref + rf
+            if deq is not None:
+                deq[r0:r1] = q.float() * s.float()[:, None]
             w.write(q.view(torch.uint8).numpy())
             scales[r0:r1] = s
             bar.update(q.numel())
         w.end()
         w.put(f"{lin.name}.scales", scales.view(torch.uint8).numpy())
-        return (err / ref) ** 0.5 if ref > 0 else 0.0
+        return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
     check_shape(lin.n, lin.k)
     # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
     # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
     sz_all = torch.empty(lin.k // lin.group_size, lin.n, 2, dtype=torch.bfloat16)
+    factor = None
+    if hessian is not None:
+        factor = gptq_factor(hessian)
+        chunk = max(chunk, (GPTQ_ROW_ELEMS // lin.k) // 64 * 64)  # fewer, larger blocks: the column loop is per block
+    elif method in CALIBRATED:
+        method = "clip"  # no calibration inputs for this tensor (e.g. an untied embedding)
     w.begin(f"{lin.name}.qweight")
     for r0 in range(0, lin.n, chunk):
         r1 = min(lin.n, r0 + chunk)
         rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
-        codes, sz, e, rf = quantize_rows(rows, lin.group_size, method)
+        if factor is not None:
+            codes, sz, e, rf = gptq_rows(rows, lin.group_size, *factor)
+            g = lin.group_size
+            deq[r0:r1] = ((codes.float().view(r1 - r0, -1, g) - 8.0) * sz.transpose(0, 1)[..., :1].float()
+                          + sz.transpose(0, 1)[..., 1:].float()).view(r1 - r0, -1)
+        else:
+            codes, sz, e, rf = quantize_rows(rows, lin.group_size, method)
         err += e
         ref += rf
         w.write(pack_rows(codes.numpy(), lay, lin.n))
@@ -190,7 +212,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
     w.end()
     w.put(f"{lin.name}.scales_zeros", sz_all.view(torch.uint8).numpy())
     bar.update(sz_all.numel() * 2)
-    return (err / ref) ** 0.5 if ref > 0 else 0.0
+    return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
 
 
 def _carry_files(source: Source, tmp: Path) -> list[str]:
@@ -207,8 +229,15 @@ def _carry_files(source: Source, tmp: Path) -> list[str]:
     return sorted(carried)
 
 
+def resolve_method(opts: Options) -> Options:
+    if opts.method != "auto":
+        return opts
+    return replace(opts, method="gptq" if opts.calib else "clip")
+
+
 def convert(src: str, out: str, opts: Options) -> dict:
     t0 = time.perf_counter()
+    opts = resolve_method(opts)
     with RssSampler() as mem:
         source = open_source(src)
         try:
@@ -220,6 +249,19 @@ def convert(src: str, out: str, opts: Options) -> dict:
             total = sum(C.DTYPE_BYTES[d] * int(torch.Size(s).numel()) for _, d, s in entries)
             src_bytes = sum(source.nbytes(p) for names in srcs.values() for p in names)
             errors: dict[str, float] = {}
+            cal, cal_info, cal_s = None, None, 0.0
+            if opts.method in CALIBRATED:
+                from .calib import Calibration, calibration_ids
+
+                if not opts.calib:
+                    raise ConvertError(f"--method {opts.method} needs calibration text: pass --calib FILE "
+                                       "(e.g. ../shared/corpus/wikitext2-valid.txt)")
+                if opts.calib_tokens < 1:
+                    raise ConvertError("--calib-tokens must be >= 1")
+                ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
+                tc = time.perf_counter()
+                cal = Calibration(source, spec, srcs, ids)
+                cal_s += time.perf_counter() - tc
             with atomic_dir(out, opts.force) as tmp:
                 w = TensorFileWriter(str(tmp / C.WEIGHTS_FILE), entries, meta)
                 with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not opts.progress,
@@ -227,10 +269,20 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     for item in order:
                         bar.set_postfix_str(item, refresh=False)
                         if item in by_name:
+                            calibrated = cal is not None and item != C.ROLE_EMBED
+                            tc = time.perf_counter()
+                            h = cal.hessian(item) if calibrated else None
+                            cal_s += time.perf_counter() - tc
                             try:
-                                errors[item] = _write_linear(w, source, spec, by_name[item], layout, opts.method, bar)
+                                errors[item], deq = _write_linear(w, source, spec, by_name[item], layout, opts.method,
+                                                                  bar, h)
                             except LayoutError as e:
                                 raise ConvertError(f"{item}: {e}") from None
+                            if calibrated:
+                                tc = time.perf_counter()
+                                cal.advance(item, deq)
+                                cal_s += time.perf_counter() - tc
+                            del h, deq
                         else:
                             parts = [source.read_rows(p, 0, source.shapes[p][0]) for p in srcs[item]]
                             v = torch.cat(parts).to(torch.bfloat16)
@@ -255,6 +307,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     "layout": layout,
                     "family": recipe.family,
                     "method": opts.method,
+                    **({"calibration": cal_info} if cal_info else {}),
                     "bits": C.BITS,
                     "group_size": opts.group_size,
                     "tied": spec.tied,
@@ -287,6 +340,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
         "family": recipe.family,
         "layout": layout,
         "method": opts.method,
+        "calibration": cal_info and {**cal_info, "forward_seconds": cal_s},
         "tensors": len(entries),
         "source_bytes": src_bytes,
         "artifact_bytes": art_bytes,

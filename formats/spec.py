@@ -7,11 +7,14 @@ logical shape, so the converter writes and the runtime reads against one definit
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import tomllib
+
+import torch
 
 from . import constants as C
 
@@ -358,3 +361,22 @@ def choose_group_size(n: int, k: int, recipe: Recipe, role: str, requested: int 
         if g in C.GROUP_SIZES and g <= first and k % g == 0:
             return g
     return None
+
+
+def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> torch.Tensor:
+    """RoPE inverse frequencies (float32 [rotary_dim/2]) with the config's rope_scaling:
+    part of the model's definition, shared by the runtime and the converter's calibration."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    rs = spec.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.to(torch.float32)

@@ -12,28 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from sparkq.formats.spec import ModelSpec
+from sparkq.formats.spec import ModelSpec, rope_inv_freq
 
 from .errors import RuntimeUserError
 
 REFINE_TOP = 8  # logits recomputed in fp32 per position (see Model._refine_top)
-
-
-def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    rs = spec.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind == "linear":
-        inv = inv / float(rs["factor"])
-    elif kind == "llama3":
-        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-        old = float(rs["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv.to(torch.float32)
 
 
 class Rope:

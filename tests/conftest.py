@@ -23,7 +23,7 @@ def tiny_untied(tmp_path_factory):
 def tiny_tied_art(tiny_tied, tmp_path_factory):
     from sparkq.convert.pipeline import Options, convert
     out = tmp_path_factory.mktemp("art") / "tied"
-    convert(str(tiny_tied), str(out), Options(progress=False))
+    convert(str(tiny_tied), str(out), Options(progress=False, method="minmax", head="int4"))  # fast; int4 head exercises the kernel
     return out
 
 
@@ -42,5 +42,5 @@ def example_bf16(tmp_path_factory):
 def example_art(example_bf16, tmp_path_factory):
     from sparkq.convert.pipeline import Options, convert
     out = tmp_path_factory.mktemp("example") / "smollm2-int4"
-    convert(str(example_bf16), str(out), Options(progress=False))
+    convert(str(example_bf16), str(out), Options(progress=False, method="minmax", head="int4"))  # fast; int4 head exercises the kernel
     return out

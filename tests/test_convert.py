@@ -71,10 +71,13 @@ def test_group_size_fallback_and_untied(tiny_untied, tmp_path):
 def test_n_not_multiple_of_16_stays_bf16(tmp_path):
     src = make_llama(tmp_path / "odd", vocab=300, tied=True)  # vocab 300 % 16 != 0
     out = tmp_path / "a"
-    s = convert(str(src), str(out), Options(progress=False))
+    s = convert(str(src), str(out), Options(progress=False, head="int4"))
     art = Artifact.open(out)
     assert art.linears["lm_head"].kind == "bf16" and "lm_head.weight" in art.infos
     assert s["group_size_by_role"]["lm_head"] == "bf16"
+    # the default int8 head has no N % 16 constraint
+    convert(str(src), str(tmp_path / "b"), Options(progress=False))
+    assert Artifact.open(tmp_path / "b").linears["lm_head"].kind == "int8"
 
 
 def test_sharded_and_fp32_input(tmp_path, tiny_tied_art):
@@ -112,7 +115,7 @@ def test_killed_conversion_leaves_no_output(tmp_path):
     src = make_llama(tmp_path / "big", hidden=1024, inter=2048, layers=4, heads=8, kv_heads=4, vocab=4096)
     for delay in (0.5, 1.5):
         out = tmp_path / f"out{delay}"
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "spark-convert"), str(src), str(out), "--quiet"],
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "spark-convert"), str(src), str(out), "--quiet", "--method", "minmax"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
@@ -137,8 +140,8 @@ def test_streaming_peak_rss(tmp_path):
     code = f"""
 import json
 from sparkq.convert.pipeline import Options, convert
-convert({str(src)!r}, {str(tmp_path / 'warm')!r}, Options(progress=False))
-s = convert({str(src)!r}, {str(tmp_path / 'o')!r}, Options(progress=False))
+convert({str(src)!r}, {str(tmp_path / 'warm')!r}, Options(progress=False, method="minmax"))
+s = convert({str(src)!r}, {str(tmp_path / 'o')!r}, Options(progress=False, method="minmax"))
 print(json.dumps(s))
 """
     p = run_py(code)
@@ -268,8 +271,8 @@ def test_hub_repo_id_source_offline_cache(tiny_tied, tmp_path):
 
 def test_convert_gguf_directly_equals_via_import(example_bf16, tmp_path):
     from helpers import example_gguf
-    a = convert(str(example_gguf()), str(tmp_path / "g"), Options(progress=False))
-    convert(str(example_bf16), str(tmp_path / "b"), Options(progress=False))
+    a = convert(str(example_gguf()), str(tmp_path / "g"), Options(progress=False, method="minmax"))
+    convert(str(example_bf16), str(tmp_path / "b"), Options(progress=False, method="minmax"))
     assert a["source"]["kind"] == "gguf" and a["tied_embeddings"]
     assert (tmp_path / "g" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "b" / C.WEIGHTS_FILE).read_bytes()
     assert (tmp_path / "g" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
@@ -298,7 +301,7 @@ def test_int8_head_and_clip_method(tiny_tied, tmp_path):
     b32 = dequant_reference(m, torch.float32).forward(t, 0, last_only=False)
     assert (out - b32).abs().max() <= 1.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max()
     assert a["rel_error_by_role"]["lm_head"]["mean"] < 0.02
-    mm = convert(str(tiny_tied), str(tmp_path / "mm"), Options(progress=False))
+    mm = convert(str(tiny_tied), str(tmp_path / "mm"), Options(progress=False, method="minmax"))
     cl = convert(str(tiny_tied), str(tmp_path / "cl"), Options(progress=False, method="clip"))
     for role in ("qkv", "gate_up", "down"):
         assert cl["rel_error_by_role"][role]["mean"] < mm["rel_error_by_role"][role]["mean"]

@@ -81,7 +81,7 @@ def test_huge_declared_shape_allocates_nothing(fuzz_base, tmp_path):
 
 
 def _convert_cmd(src, out):
-    return [str(Path(sys.executable).parent / "spark-convert"), str(src), str(out), "--quiet", "--force"]
+    return [str(Path(sys.executable).parent / "spark-convert"), str(src), str(out), "--quiet", "--force", "--method", "minmax"]
 
 
 def test_sigkill_at_20_points(tmp_path):

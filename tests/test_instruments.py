@@ -97,7 +97,7 @@ def test_synth_convert_bench(tmp_path):
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert 130e6 < s["parameters"] < 140e6
-    assert run_cli("spark-convert", tmp_path / "s", tmp_path / "q", "--quiet").returncode == 0
+    assert run_cli("spark-convert", tmp_path / "s", tmp_path / "q", "--quiet", "--method", "minmax").returncode == 0
     p = run_cli("sparkq", "bench", tmp_path / "q", "--passes", "1", "--pp", "32", "--tg", "4",
                 "--arm", "nodeq=prefill_dequant=0", "--arm", "passive=OMP_WAIT_POLICY=PASSIVE", "--json")
     assert p.returncode == 0, p.stderr

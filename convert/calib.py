@@ -1,0 +1,163 @@
+"""Calibration for activation-aware methods (``--method gptq``).
+
+The converter runs the source model itself, layer by layer and in step with the writer:
+for each linear it hands out the Hessian ``H = X^T X`` of that linear's inputs, then takes
+back the linear's *quantized* weight and moves the activations forward through it, so
+later layers are calibrated on what the quantized model really computes (the sequential
+variant of GPTQ). Only the current activations (tokens x hidden, fp32) and one linear's
+weight live in memory at a time; the model is never materialised.
+
+The math mirrors the runtime's decoder (RMSNorm with optional offset, SwiGLU/GeGLU,
+rotate-half RoPE per layer type, causal attention with sliding windows, qk norm, qkv
+bias, sandwich norms, embedding scale) in fp32; the two never import each other, so the
+shared definitions (RoPE frequencies, shapes) live in ``sparkq.formats.spec``.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from sparkq.formats import constants as C
+from sparkq.formats.spec import ModelSpec, rope_inv_freq
+
+from .errors import ConvertError
+
+SEQ_LEN = 512
+
+
+def calibration_ids(source, text_path: str, tokens: int, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, dict]:
+    """Token windows [S, seq_len] from the *second half* of the text file (so the first half,
+    where ``sparkq fidelity`` reads by default, stays held out) and a record of what was used."""
+    from tokenizers import Tokenizer
+
+    p = Path(text_path)
+    if not p.is_file():
+        raise ConvertError(f"calibration text {text_path}: no such file; pass --calib FILE (any UTF-8 text)")
+    if "tokenizer.json" in source.extra_files:
+        tok = Tokenizer.from_str(source.extra_files["tokenizer.json"].decode())
+    elif source.directory is not None and (source.directory / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(str(source.directory / "tokenizer.json"))
+    else:
+        raise ConvertError("the source has no tokenizer.json, so calibration text cannot be tokenized; "
+                           "use --method clip or add tokenizer.json to the checkpoint")
+    raw = p.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    start = len(text) // 2
+    seqs = max(1, math.ceil(tokens / seq_len))
+    ids = tok.encode(text[start:start + seqs * seq_len * 12], add_special_tokens=False).ids
+    if len(ids) < seqs * seq_len:
+        raise ConvertError(f"calibration text {text_path} gives only {len(ids)} tokens from its second half; "
+                           f"need {seqs * seq_len}: lower --calib-tokens or pass a longer file")
+    ids = torch.tensor(ids[: seqs * seq_len]).view(seqs, seq_len)
+    info = {"file": p.name, "sha256": hashlib.sha256(raw).hexdigest(), "start_char": start,
+            "sequences": seqs, "seq_len": seq_len, "tokens": seqs * seq_len}
+    return ids, info
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * (1.0 + w) if offset else x * w
+
+
+class Calibration:
+    """Activations of the partly quantized model, advanced one linear at a time.
+
+    Call ``hessian(name)`` then ``advance(name, w)`` for each linear in file order
+    (per layer: qkv, o, gate_up, down; then lm_head)."""
+
+    def __init__(self, source, spec: ModelSpec, srcs: dict, ids: torch.Tensor, threads: int | None = None):
+        self.source, self.spec, self.srcs = source, spec, srcs
+        self.seqs, self.seq_len = ids.shape
+        embed_name = srcs[C.ROLE_EMBED if not spec.tied else C.ROLE_LM_HEAD][0]
+        flat = ids.reshape(-1)
+        rows = [source.read_rows(embed_name, int(t), int(t) + 1) for t in flat.tolist()]
+        self.x = torch.cat(rows).float()
+        if spec.embed_scale:
+            self.x *= torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16).float()
+        self.inp: torch.Tensor | None = None  # input of the next linear
+        pos = torch.arange(self.seq_len, dtype=torch.float32)
+        self.rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(spec.layers):
+            theta, rot, _ = spec.layer_attention(i)
+            if (theta, rot) not in self.rope:
+                f = torch.outer(pos, rope_inv_freq(spec, rot, theta))
+                emb = torch.cat([f, f], -1)
+                self.rope[(theta, rot)] = (emb.cos(), emb.sin())
+
+    def _vec(self, name: str) -> torch.Tensor:
+        parts = [self.source.read_rows(p, 0, self.source.shapes[p][0]) for p in self.srcs[name]]
+        return torch.cat(parts).float()
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return _rms(x, self._vec(name), self.spec.rms_eps, self.spec.norm_offset)
+
+    def hessian(self, name: str) -> torch.Tensor:
+        """H = X^T X (float32 [K, K]) of the inputs the linear ``name`` sees."""
+        layer, _, role = name.rpartition(".")
+        if role == C.ROLE_QKV:
+            self.inp = self._norm(self.x, f"{layer}.attn_norm.weight")
+        elif role == C.ROLE_GATE_UP:
+            self.inp = self._norm(self.x, f"{layer}.mlp_norm.weight")
+        elif name == C.ROLE_LM_HEAD:
+            self.inp = self._norm(self.x, "norm.weight")
+        assert self.inp is not None, f"hessian({name}) out of order"
+        return self.inp.T @ self.inp
+
+    def advance(self, name: str, w: torch.Tensor) -> None:
+        """Move the activations through the quantized linear ``name`` (w: float32 [N, K])."""
+        s = self.spec
+        layer, _, role = name.rpartition(".")
+        if role not in C.LAYER_LINEARS:  # the head ends the forward: no logits needed
+            self.inp = None
+            return
+        if role == C.ROLE_GATE_UP:  # per window: the [tokens, 2*intermediate] product is the largest transient
+            out = torch.empty(self.inp.shape[0], w.shape[0] // 2)
+            for t0 in range(0, out.shape[0], self.seq_len):
+                g, u = (self.inp[t0:t0 + self.seq_len] @ w.T).chunk(2, dim=-1)
+                out[t0:t0 + self.seq_len] = (F.silu(g) if s.act == "silu" else F.gelu(g, approximate="tanh")) * u
+            self.inp = out
+            return
+        y = self.inp @ w.T
+        if role == C.ROLE_QKV:
+            if s.qkv_bias:
+                y += self._vec(f"{layer}.qkv.bias")
+            self.inp = self._attention(int(layer.split(".")[1]), y)
+        else:  # o, down: residual add
+            if s.sandwich_norms:
+                y = self._norm(y, f"{layer}.{'post_attn_norm' if role == C.ROLE_O else 'post_mlp_norm'}.weight")
+            self.x += y
+            self.inp = None
+
+    def _attention(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
+        s, n, t = self.spec, self.seqs, self.seq_len
+        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+        q = q.reshape(n, t, s.heads, s.head_dim)
+        k = k.reshape(n, t, s.kv_heads, s.head_dim)
+        v = v.reshape(n, t, s.kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = self._norm(q, f"layers.{i}.q_norm.weight")
+            k = self._norm(k, f"layers.{i}.k_norm.weight")
+        theta, rot, window = s.layer_attention(i)
+        cos, sin = self.rope[(theta, rot)]
+        q, k = self._rotate(q, cos, sin, rot), self._rotate(k, cos, sin, rot)
+        pos = torch.arange(t)
+        mask = pos[None, :] <= pos[:, None]
+        if window is not None:
+            mask &= pos[None, :] > pos[:, None] - window
+        out = torch.empty(n, t, s.q_dim)
+        for j in range(n):  # one window at a time bounds the attention transients
+            o = F.scaled_dot_product_attention(q[j].transpose(0, 1), k[j].transpose(0, 1), v[j].transpose(0, 1),
+                                               attn_mask=mask, scale=s.attn_scale or 1.0 / math.sqrt(s.head_dim),
+                                               enable_gqa=s.heads != s.kv_heads)
+            out[j] = o.transpose(0, 1).reshape(t, s.q_dim)
+        return out.view(n * t, s.q_dim)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+        xr, h = x[..., :r], r // 2
+        rot = torch.cat([-xr[..., h:], xr[..., :h]], dim=-1)
+        out = xr * cos[:, None, :] + rot * sin[:, None, :]
+        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
