@@ -72,9 +72,9 @@ class Calibration:
         self.source, self.spec, self.srcs = source, spec, srcs
         self.seqs, self.seq_len = ids.shape
         embed_name = srcs[C.ROLE_EMBED if not spec.tied else C.ROLE_LM_HEAD][0]
-        flat = ids.reshape(-1)
-        rows = [source.read_rows(embed_name, int(t), int(t) + 1) for t in flat.tolist()]
-        self.x = torch.cat(rows).float()
+        uniq, inverse = ids.reshape(-1).unique(return_inverse=True)  # one read per distinct token
+        rows = torch.cat([source.read_rows(embed_name, t, t + 1) for t in uniq.tolist()]).float()
+        self.x = rows[inverse]
         if spec.embed_scale:
             self.x *= torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16).float()
         self.inp: torch.Tensor | None = None  # input of the next linear

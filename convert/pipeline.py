@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import quantization_config
-from sparkq.formats.layout import LAYOUTS, LayoutError, check_shape, get_layout, host_layout, pack_rows
+from sparkq.formats.layout import LAYOUTS, LayoutError, check_shape, dequantize_codes, get_layout, host_layout, pack_rows
 from sparkq.formats.procmem import RssSampler
 from sparkq.formats.spec import ModelSpec, SpecError, choose_group_size, linear_tensors, recipe_for_config, role_of
 from sparkq.formats.tensorfile import TensorFileWriter
@@ -198,9 +198,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
         rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
         if factor is not None:
             codes, sz, e, rf = gptq_rows(rows, lin.group_size, *factor)
-            g = lin.group_size
-            deq[r0:r1] = ((codes.float().view(r1 - r0, -1, g) - 8.0) * sz.transpose(0, 1)[..., :1].float()
-                          + sz.transpose(0, 1)[..., 1:].float()).view(r1 - r0, -1)
+            deq[r0:r1] = dequantize_codes(codes, sz, lin.group_size, torch.float32)
         else:
             codes, sz, e, rf = quantize_rows(rows, lin.group_size, method)
         err += e

@@ -10,15 +10,17 @@ Methods:
   search): for shrunken candidate ranges, assign codes, refit scale and offset by least
   squares on those codes, and keep whichever candidate reconstructs the group best.
 - ``gptq``: activation-aware error compensation (Frantar et al., 2022) with a calibration
-  Hessian ``H = X^T X`` of the linear's inputs: columns are quantized left to right and
-  each column's error is spread over the not yet quantized columns through the Cholesky
-  factor of ``H^-1``, minimising ``||(W - Q) X^T||`` instead of ``||W - Q||``. Group
-  parameters come from the ``clip`` search on the error-updated columns as each group
-  starts. Rows are independent given ``H``, so it streams in row blocks like the others.
+  Hessian ``H = X^T X`` of the linear's inputs: columns are quantized in act order (most
+  active inputs first) and each column's error is spread over the not yet quantized
+  columns through the Cholesky factor of ``H^-1``, minimising ``||(W - Q) X^T||`` instead
+  of ``||W - Q||``. Each group keeps the parameters of a (shorter) ``clip`` search on the
+  original weights, so groups stay contiguous along K. Rows are independent given ``H``,
+  so it streams in row blocks like the others.
 """
 from __future__ import annotations
 
 import torch
+from sparkq.formats.layout import dequantize_codes
 
 METHODS = ("minmax", "clip", "gptq")  # plus "auto" at the command line (see pipeline.resolve_method)
 CALIBRATED = ("gptq",)  # methods that need a calibration text
@@ -161,7 +163,6 @@ def gptq_rows(w: torch.Tensor, group_size: int, hinv_u: torch.Tensor, perm: torc
     qp = torch.where(sp > 0, qp, torch.full_like(qp, 8.0))
     codes = torch.empty(r, k, dtype=torch.uint8)
     codes[:, perm] = qp.to(torch.uint8)
-    deq = (codes.float().view(r, k // g, g) - 8.0) * scale[..., None] + zero[..., None]
-    err = float(((orig.view(r, k // g, g) - deq) ** 2).sum(dtype=torch.float64))
+    err = float(((orig - dequantize_codes(codes, sz, g, torch.float32)) ** 2).sum(dtype=torch.float64))
     ref = float((orig.to(torch.float64) ** 2).sum())
     return codes, sz, err, ref

@@ -10,6 +10,7 @@ from sparkq.convert.errors import ConvertError
 from sparkq.convert.pipeline import Options, convert
 from sparkq.convert.quantize import gptq_factor, gptq_rows, quantize_rows
 from sparkq.formats import Artifact
+from sparkq.formats.layout import dequantize_codes
 from sparkq.runtime import load
 
 FAMILIES = {
@@ -18,12 +19,6 @@ FAMILIES = {
     "qwen3": dict(arch="qwen3", head_dim=48),
     "gemma3": dict(arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40),
 }
-
-
-def _deq(codes, sz, g):
-    r, k = codes.shape
-    s, z = sz[..., 0].float().T, sz[..., 1].float().T
-    return ((codes.float().view(r, k // g, g) - 8.0) * s[..., None] + z[..., None]).view(r, k)
 
 
 def _correlated(n, k, seed):
@@ -50,11 +45,11 @@ def test_gptq_lowers_output_error_and_codes_decode_in_kernel_convention():
     h = x.T @ x
     codes, sz, err, ref = gptq_rows(w, 64, *gptq_factor(h))
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and sz.shape == (4, 96, 2) and sz.dtype == torch.bfloat16
-    deq = _deq(codes, sz, 64)
+    deq = dequantize_codes(codes, sz, 64, torch.float32)
     assert abs(err - float(((w - deq) ** 2).sum())) < 1e-3 * err  # the reported error is the real one
     c_codes, c_sz, _, _ = quantize_rows(w, 64, "clip")
     out_err = lambda d: float(((w - d) @ x.T).norm())  # noqa: E731
-    gptq_e, clip_e = out_err(deq), out_err(_deq(c_codes, c_sz, 64))
+    gptq_e, clip_e = out_err(deq), out_err(dequantize_codes(c_codes, c_sz, 64, torch.float32))
     assert gptq_e < 0.8 * clip_e, (gptq_e, clip_e)
 
 
@@ -64,7 +59,7 @@ def test_gptq_dead_inputs_and_singular_hessian():
     x[:, 7] = x[:, 6]  # and two identical ones: H is singular without damping
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
     codes, sz, err, ref = gptq_rows(w, 32, *gptq_factor(x.T @ x))
-    assert torch.isfinite(_deq(codes, sz, 32)).all() and 0 < err < ref
+    assert torch.isfinite(dequantize_codes(codes, sz, 32, torch.float32)).all() and 0 < err < ref
 
 
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
