@@ -84,7 +84,7 @@ def convert(
     source: str = typer.Argument(..., help="HF checkpoint dir, Hub repo id org/name[@revision], or a .gguf file"),
     out: str = typer.Argument(..., help="output artifact directory (must not exist unless --force)"),
     group_size: int = typer.Option(128, "--group-size", help="int4 group size along K (32, 64, 128, 256)"),
-    target: str = typer.Option("native", "--target", help="packed layout: native|avx512|avx2|default"),
+    target: str = typer.Option("native", "--target", help="packed layout: native|rows32|avx512|avx2|default (rows32: CPU-independent, read by the C decode core)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe TOML overriding the built-in one"),
     method: str = typer.Option("auto", "--method", help="auto (gptq with --calib, else clip) | minmax (fastest) | "
                                "clip (calibration-free range search) | gptq (calibrated: needs --calib)"),
@@ -373,7 +373,7 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads"),
     pp: int = typer.Option(512, "--pp", help="prefill length"),
     tg: int = typer.Option(128, "--tg", help="decode length"),
-    llama_gguf: Optional[str] = typer.Option(None, "--llama-gguf", help="also bench this GGUF with llama-cpp-python"),
+    llama_gguf: list[str] = typer.Option([], "--llama-gguf", help="also bench this GGUF with llama-cpp-python; repeatable"),
     as_json: bool = typer.Option(False, "--json"),
     plot: Optional[str] = typer.Option(None, "--plot"),
     save: bool = typer.Option(False, "--save", help="store the result in MODEL/measurements/ (model card)"),

@@ -70,7 +70,7 @@ def _target_layout(target: str) -> str:
         try:
             return host_layout()
         except LayoutError as e:
-            raise ConvertError(f"{e}; pass --target avx512|avx2|default") from None
+            raise ConvertError(f"{e}; pass --target rows32|avx512|avx2|default") from None
     if target not in LAYOUTS:
         raise ConvertError(f"unknown --target {target!r}; choose native, {', '.join(LAYOUTS)}")
     return target
@@ -182,7 +182,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
         w.end()
         w.put(f"{lin.name}.scales", scales.view(torch.uint8).numpy())
         return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
-    check_shape(lin.n, lin.k)
+    check_shape(lin.n, lin.k, layout)
     # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
     # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
     sz_all = torch.empty(lin.k // lin.group_size, lin.n, 2, dtype=torch.bfloat16)
@@ -241,6 +241,12 @@ def convert(src: str, out: str, opts: Options) -> dict:
         try:
             layout = _target_layout(opts.target)
             recipe, spec, linears, vectors, srcs = plan(source, opts)
+            for lin in linears:
+                if lin.kind == C.KIND_INT4:
+                    try:
+                        check_shape(lin.n, lin.k, layout)
+                    except LayoutError as e:
+                        raise ConvertError(f"{lin.name}: {e}") from None
             entries, order = _ordered_entries(linears, vectors, spec)
             by_name = {l.name: l for l in linears}
             meta = {"format": C.FORMAT_NAME, "format_version": str(C.FORMAT_VERSION), "layout": layout}

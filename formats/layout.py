@@ -22,6 +22,15 @@ the CPU capability torch dispatches to (``torch.backends.cpu.get_cpu_capability(
 so bytes packed for one capability are silent garbage under another: every artifact
 names its layout and readers check it against the host.
 
+``rows32`` is sparkq's own layout, read by the C decode core (runtime/kernels/sq_decode.c)
+and by no torch kernel: row-major (row ``n`` at byte ``n * K/2``), each row cut into
+32-column blocks of 16 bytes, byte ``j`` of block ``b`` = ``q[32b+j] | q[32b+j+16] << 4``
+(``q`` is the row's codes). A block's low nibbles are columns 0..15 and its high
+nibbles 16..31, so two AND/shift ops give 32 codes in column order for an int8 dot
+product against 32 activations. It does not depend on the CPU (the same bytes run under
+AVX2, AVX512 and plain C), needs ``K % 32 == 0``, and its ``block_rows`` (16) only
+aligns converter/runtime row chunks.
+
 ``scales_zeros`` is a separate, contiguous bf16 tensor ``[K/g, N, 2]``: ``[..., 0]``
 the scale and ``[..., 1]`` the zero of group ``k // g`` of row ``n``.
 
@@ -41,13 +50,17 @@ class Layout:
     name: str
     block_rows: int
     interleaved: bool  # full blocks pair row j with row j + B/2 (else neighbours)
+    rows: bool = False  # sparkq's row-major rows32 layout (no torch kernel reads it)
 
 
 LAYOUTS: dict[str, Layout] = {
     "avx512": Layout("avx512", 64, True),
     "avx2": Layout("avx2", 32, True),
     "default": Layout("default", 32, False),
+    "rows32": Layout("rows32", 16, False, rows=True),
 }
+ROWS32 = "rows32"
+ATEN_LAYOUTS = ("avx512", "avx2", "default")
 
 # torch.backends.cpu.get_cpu_capability() -> layout name
 CAPABILITY_TO_LAYOUT = {"AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "default"}
@@ -79,11 +92,25 @@ def host_layout() -> str:
         ) from None
 
 
-def check_shape(n: int, k: int) -> None:
+def check_shape(n: int, k: int, layout: str | Layout | None = None) -> None:
     if n % 16 or n <= 0:
         raise LayoutError(f"int4 packing needs N % 16 == 0, got N={n}")
     if k % 2 or k <= 0:
         raise LayoutError(f"int4 packing needs an even K, got K={k}")
+    lay = get_layout(layout) if isinstance(layout, str) else layout
+    if lay is not None and lay.rows and k % 32:
+        raise LayoutError(f"the rows32 layout needs K % 32 == 0, got K={k}; use --target native")
+
+
+def _pack_rows32(codes: np.ndarray) -> np.ndarray:
+    r, k = codes.shape
+    c = codes.reshape(r, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(-1)
+
+
+def _unpack_rows32(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    b = flat.reshape(n, k // 32, 16)
+    return torch.cat([b & 0xF, b >> 4], dim=2).reshape(n, k)
 
 
 def _pairs(codes: np.ndarray, layout: Layout, full: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -103,6 +130,8 @@ def pack_rows(codes: np.ndarray, layout: str | Layout, n_total: int) -> np.ndarr
     """
     lay = get_layout(layout) if isinstance(layout, str) else layout
     codes = np.ascontiguousarray(codes, dtype=np.uint8)
+    if lay.rows:
+        return _pack_rows32(codes)
     rows, k = codes.shape
     B = lay.block_rows
     out = np.empty(rows * k // 2, dtype=np.uint8)
@@ -127,6 +156,8 @@ def unpack(packed: torch.Tensor | np.ndarray, layout: str | Layout, n: int, k: i
     """Inverse of :func:`pack_rows` for a whole matrix: uint8 codes ``[N, K]``."""
     lay = get_layout(layout) if isinstance(layout, str) else layout
     flat = torch.as_tensor(packed).reshape(-1)
+    if lay.rows:
+        return _unpack_rows32(flat, n, k)
     B = lay.block_rows
     nfull = n // B
     parts = []
@@ -167,6 +198,9 @@ def row_addressing(rows: torch.Tensor, layout: str | Layout, n: int, k: int):
 
 def gather_rows(packed: torch.Tensor, layout: str | Layout, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[len(rows), K]`` of the given rows, read straight from packed bytes."""
+    lay = get_layout(layout) if isinstance(layout, str) else layout
+    if lay.rows:
+        return _unpack_rows32(packed.reshape(n, k // 2)[rows.to(torch.int64)], rows.numel(), k)
     base, step, shift = row_addressing(rows, layout, n, k)
     ks = torch.arange(k, dtype=torch.int64)
     idx = base[:, None] + ks[None, :] * step[:, None]
@@ -199,6 +233,11 @@ def dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, layout: str |
     g, B, dt = group_size, lay.block_rows, out.dtype
     flat = packed.reshape(-1)
     sz = scales_zeros.to(dt)
+    if lay.rows:
+        c = _unpack_rows32(flat, n, k).to(dt).view(n, k // g, g)
+        s, z = sz[..., 0].T.unsqueeze(2), sz[..., 1].T.unsqueeze(2)
+        torch.addcmul(z - 8 * s, c, s, out=out.T.unflatten(1, (k // g, g)))
+        return out
     nfull = n // B
     if nfull:
         blk = flat[: nfull * B * k // 2].view(nfull, k, B // 2)

@@ -10,7 +10,7 @@ import torch
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.hub import is_repo_id
-from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, LayoutError, host_layout
+from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, ROWS32, LayoutError, host_layout
 from sparkq.formats.spec import ModelSpec, recipe_for_config
 
 from .errors import RuntimeUserError
@@ -47,6 +47,8 @@ def _resolve(path_or_repo: str) -> tuple[Path, dict]:
 
 
 def check_layout(art_layout: str) -> None:
+    if art_layout == ROWS32:
+        return  # CPU-independent (C decode core, torch fallback)
     try:
         host = host_layout()
     except LayoutError as e:
@@ -125,15 +127,34 @@ def _load_bf16_checkpoint(path: Path):
     return config, spec, linears, norms
 
 
+def _attach_fast(model: Model, enabled: bool) -> str:
+    """Attach the C decode step when it applies; returns the decode path's name for LoadInfo."""
+    from . import fastpath, kernels
+
+    if not enabled:
+        return "torch (c_decode off)"
+    why = fastpath.supported(model)
+    if why:
+        return f"torch ({why})"
+    lib = kernels.try_load()
+    if lib is None:
+        return "torch (C decode core unavailable)"
+    model.fast = fastpath.FastDecoder(model, lib, torch.get_num_threads())
+    fastpath.attach_linears(model, lib)
+    return f"c ({'avx2' if lib.sq_simd() == 2 else 'scalar'}, {torch.get_num_threads()} threads)"
+
+
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, prefill_dequant: bool = True, verify: bool = False,
-         rope_len_from_config: bool = False) -> "LoadedModel":
+         rope_len_from_config: bool = False, c_decode: bool = True) -> "LoadedModel":
     """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference).
 
     ``max_model_len`` defaults to min(2048, the model's max_position_embeddings); the KV
     cache holds min(max_model_len, kv_budget_mib / bytes per token) tokens.
     ``rope_len_from_config`` is the deliberately bad A/B arm of ``sparkq memory``: RoPE
     tables sized from max_position_embeddings, as other runtimes do.
+    ``c_decode`` runs decode steps through the C core (runtime/fastpath.py) when the
+    model allows it (rows32, int8 or bf16 linears) and a C compiler is present.
     """
     t0 = time.perf_counter()
     if threads:
@@ -163,9 +184,11 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     cap = _kv_capacity(spec, max_model_len, kv_budget_mib)
     model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap,
                   rope_len=spec.max_position if rope_len_from_config else None)
+    extra = {"hub": hub} if hub else {}
+    extra["decode_path"] = _attach_fast(model, c_decode)
     tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
     info = LoadInfo(str(path_or_repo_id), kind, layout, time.perf_counter() - t0, cap, model.cache.nbytes,
-                    sum(r.nbytes for r in model.ropes), max_model_len, {"hub": hub} if hub else {})
+                    sum(r.nbytes for r in model.ropes), max_model_len, extra)
     return LoadedModel(model, tok, info, tensors)
 
 

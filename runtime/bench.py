@@ -16,7 +16,11 @@ import subprocess
 import sys
 import time
 
-LOAD_KEYS = {"prefill_dequant": lambda v: v.lower() in ("1", "true", "yes", "on"), "threads": int,
+def _bool(v: str) -> bool:
+    return v.lower() in ("1", "true", "yes", "on")
+
+
+LOAD_KEYS = {"prefill_dequant": _bool, "c_decode": _bool, "threads": int,
              "kv_budget_mib": float, "max_model_len": int}
 
 
@@ -171,7 +175,7 @@ METRICS = ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_
 
 
 def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: int | None = None, pp: int = 512,
-          tg: int = 128, ttft_tokens: int = 16, llama_gguf: str | None = None, progress=None) -> dict:
+          tg: int = 128, ttft_tokens: int = 16, llama_gguf: list[str] | str | None = None, progress=None) -> dict:
     import torch
 
     from sparkq.runtime.errors import RuntimeUserError
@@ -188,12 +192,17 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         kw = {"threads": threads, "max_model_len": max(pp, ttft_tokens + tg) + 8, **kw}
         target = kw.pop("model", model)
         runs.append((name, {"kind": "sparkq", "model": target, "load": kw}, env))
-    if llama_gguf:
+    ggufs = [llama_gguf] if isinstance(llama_gguf, str) else list(llama_gguf or [])
+    if ggufs:
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
             raise RuntimeUserError("--llama-gguf needs llama-cpp-python: pip install llama-cpp-python (builds llama.cpp, ~5 min)") from None
-        runs.append(("llama.cpp", {"kind": "llama", "model": llama_gguf, "load": {"threads": threads}}, {}))
+    for g in ggufs:
+        if not os.path.isfile(g):
+            raise RuntimeUserError(f"--llama-gguf {g}: no such file")
+        name = "llama.cpp" if len(ggufs) == 1 else f"llama.cpp {os.path.basename(g)}"
+        runs.append((name, {"kind": "llama", "model": g, "load": {"threads": threads}}, {}))
     results: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
     for p in range(passes):
         for name, args, env in runs:

@@ -16,6 +16,8 @@ int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 # rows at or below this use the int4 kernel even with prefill_dequant
 KERNEL_MAX_ROWS = 256  # measured crossover on the AVX2 box (README: prefill table)
+# rows32 linears: at or below this many rows the C W4A8 kernel, above it dequantize + dense GEMM
+C_MAX_ROWS = 64
 
 
 def prefill_dtype() -> torch.dtype:
@@ -49,6 +51,34 @@ class Int4Linear:
         B = self.layout.block_rows
         rows = max(B, (scratch.max_elems // k) // B * B)
         self.block_rows = min(n, rows)
+        self.c = None  # (lib, SqLinear) when the C core is loaded (rows32 only)
+
+    def _c_matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        import ctypes
+
+        lib, desc = self.c
+        xf = x.to(torch.float32).contiguous()
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        if lib.sq_linear_batch(ctypes.byref(desc), xf.data_ptr(), xf.shape[0], y.data_ptr()):
+            raise MemoryError(f"{self.name}: C kernel could not allocate its activation buffers")
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+    def _c_dequant_matmul(self, xc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Many rows: the C core dequantizes row blocks to fp32 [rows, K] (row-major, as rows32
+        is), torch's GEMM multiplies with the transposed view (no copy)."""
+        import ctypes
+
+        lib, desc = self.c
+        out = torch.empty(xc.shape[0], self.n, dtype=out_dtype)
+        for r0 in range(0, self.n, self.block_rows):
+            r1 = min(self.n, r0 + self.block_rows)
+            w = self.scratch.get(self.k * (r1 - r0)).view(r1 - r0, self.k)
+            lib.sq_dequant_rows(ctypes.byref(desc), r0, r1, w.data_ptr())
+            if r1 - r0 == self.n:
+                return (xc @ w.t()).to(out_dtype)
+            torch.matmul(xc, w.t(), out=out[:, r0:r1]) if out_dtype == torch.float32 else \
+                out[:, r0:r1].copy_(xc @ w.t())
+        return out
 
     def dequant_t(self, r0: int, r1: int) -> torch.Tensor:
         """W^T for rows [r0, r1) (r0 on a layout block boundary), in the scratch buffer."""
@@ -62,15 +92,21 @@ class Int4Linear:
         return dequantize_codes(codes, self.scales_zeros, self.g, torch.bfloat16)
 
     def uses_kernel(self, m: int) -> bool:
+        if self.layout.rows:  # no torch kernel reads rows32: always dequantize (the C core decodes)
+            return False
         return m <= KERNEL_MAX_ROWS or not self.prefill_dequant
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         m = x.shape[0]
+        if self.c is not None and (m <= C_MAX_ROWS or not self.prefill_dequant):
+            return self._c_matmul(x, out_dtype or x.dtype)
         if self.uses_kernel(m):
             y = int4_mm(x.contiguous(), self.qweight, self.g, self.scales_zeros)
             return y if out_dtype is None else y.to(out_dtype)
         out_dtype = out_dtype or x.dtype
         xc = x.to(self.scratch.dtype)
+        if self.c is not None and self.scratch.dtype == torch.float32:
+            return self._c_dequant_matmul(xc, out_dtype)
         if self.block_rows >= self.n:
             return (xc @ self.dequant_t(0, self.n)).to(out_dtype)
         out = torch.empty(m, self.n, dtype=out_dtype)
@@ -96,11 +132,16 @@ class Int8Linear:
     def __init__(self, name: str, qweight: torch.Tensor, scales: torch.Tensor):
         self.name, self.qweight, self.scales = name, qweight, scales
         self.n, self.k = qweight.shape
+        self.c = None  # (lib, SqLinear) when the C core is loaded
+
+    _c_matmul = Int4Linear._c_matmul
 
     def uses_kernel(self, m: int) -> bool:
         return True
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.c is not None:
+            return self._c_matmul(x, out_dtype or x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
         return y if out_dtype is None else y.to(out_dtype)
 

@@ -1,0 +1,110 @@
+"""The C decode step: one ctypes call per generated token.
+
+``FastDecoder`` describes the loaded model to ``kernels/sq_decode.c`` once (pointers
+into the artifact's mapping, the KV cache and the RoPE tables; no weight is copied)
+and then runs each decode step as a single call. It applies when every linear is a
+rows32 int4, an int8 or a bf16 linear; artifacts in torch's int4 layouts keep the torch
+path. Prefill always goes through torch (dense GEMMs); both paths share the bf16 KV cache.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from sparkq.formats.layout import ROWS32
+
+from . import kernels as K
+from .weights import DenseLinear, Int4Linear, Int8Linear
+
+KIND = {"int4": 0, "int8": 1, "bf16": 2}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        raise ValueError("C decode path needs contiguous tensors")
+    return t.data_ptr()
+
+
+def supported(model) -> str | None:
+    """None if the C step can run this model, else why not."""
+    for name, lin in model.lin.items():
+        if isinstance(lin, Int4Linear):
+            if lin.layout.name != ROWS32:
+                return f"{name} is packed in torch's {lin.layout.name} layout (the C path reads rows32)"
+        elif not isinstance(lin, (Int8Linear, DenseLinear)):
+            return f"{name}: unsupported linear {type(lin).__name__}"
+        if lin.k % 32:
+            return f"{name}: K={lin.k} is not a multiple of 32"
+    return None
+
+
+def _linear(lin, bias: torch.Tensor | None = None) -> K.SqLinear:
+    if isinstance(lin, Int4Linear):
+        return K.SqLinear(_ptr(lin.qweight), _ptr(lin.scales_zeros), _ptr(bias), KIND["int4"], lin.n, lin.k, lin.g)
+    if isinstance(lin, Int8Linear):
+        return K.SqLinear(_ptr(lin.qweight), _ptr(lin.scales), _ptr(bias), KIND["int8"], lin.n, lin.k, 0)
+    w = lin.weight.to(torch.bfloat16).contiguous()
+    lin._c_weight = w  # keep alive (a no-op view for bf16 checkpoints)
+    b = bias if lin.bias is None else lin.bias
+    return K.SqLinear(_ptr(w), None, _ptr(b), KIND["bf16"], lin.n, lin.k, 0)
+
+
+def attach_linears(model, lib) -> None:
+    """Give rows32/int8 linears the C W4A8 kernel for few-row products (short prompts, the
+    head of the last position); bf16 linears keep torch's GEMM."""
+    for lin in model.lin.values():
+        if isinstance(lin, (Int4Linear, Int8Linear)):
+            lin.c = (lib, _linear(lin))
+
+
+class FastDecoder:
+    def __init__(self, model, lib, threads: int):
+        s, n = model.spec, model.norms
+        self.lib, self.model = lib, model
+        layers = (K.SqLayer * s.layers)()
+        for i in range(s.layers):
+            L, cfg = layers[i], model.layer_cfg[i]
+            bias = n.get(f"layers.{i}.qkv.bias") if s.qkv_bias else None
+            L.qkv = _linear(model.lin[f"layers.{i}.qkv"], bias)
+            L.o = _linear(model.lin[f"layers.{i}.o"])
+            L.gate_up = _linear(model.lin[f"layers.{i}.gate_up"])
+            L.down = _linear(model.lin[f"layers.{i}.down"])
+            for f in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"):
+                setattr(L, f, _ptr(n.get(f"layers.{i}.{f}.weight")))
+            L.cos, L.sin, L.rot = _ptr(cfg.rope.cos), _ptr(cfg.rope.sin), cfg.rope.rotary_dim
+            L.kcache, L.vcache = _ptr(model.cache.k[i]), _ptr(model.cache.v[i])
+            L.window = cfg.window or 0
+        self.layers = layers
+        m = self.m = K.SqModel()
+        m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim = s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim
+        m.inter, m.vocab, m.cap = s.intermediate, model.head.n, model.cache.capacity
+        m.act = 0 if s.act == "silu" else 1
+        m.norm_offset, m.threads = int(bool(s.norm_offset)), threads
+        m.eps, m.attn_scale = s.rms_eps, model.scale
+        m.embed_mult = float(model.embed_mult) if model.embed_mult is not None else 0.0
+        m.layer = ctypes.cast(layers, ctypes.POINTER(K.SqLayer))
+        m.head, m.embed = _linear(model.head), _linear(model.embedding)
+        m.final_norm = _ptr(n["norm.weight"])
+        self.work = lib.sq_work_new(ctypes.byref(m))
+        if not self.work:
+            raise MemoryError("sq_work_new failed")
+        self.threads = threads
+        lib.sq_set_threads(threads)
+        self.x = torch.empty(s.hidden, dtype=torch.float32)
+        self.hn = torch.empty(1, s.hidden, dtype=torch.float32)
+
+    def __del__(self):
+        if getattr(self, "work", None):
+            self.lib.sq_work_free(self.work)
+            self.work = None
+
+    def step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits fp32 [1, vocab], final-normed hidden fp32 [1, hidden]) for one token."""
+        logits = torch.empty(1, self.m.vocab, dtype=torch.float32)
+        rc = self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.data_ptr(),
+                              logits.data_ptr(), self.hn.data_ptr())
+        if rc:
+            raise IndexError(f"position {pos} is outside the KV cache ({self.m.cap})")
+        return logits, self.hn

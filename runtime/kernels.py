@@ -1,0 +1,143 @@
+"""Build and load the C decode core (``kernels/sq_decode.c``) on this machine.
+
+The source ships with the package and is compiled on first use with the system C
+compiler (``$CC``, else ``cc``/``gcc``): ``-O3 -march=native -fopenmp``, into
+``$SPARKQ_CACHE`` (default ``~/.cache/sparkq``)/kernels/<hash>.so, where the hash covers
+the source, the flags, the compiler's version and this CPU's feature flags, so a shared
+home directory never runs a binary built for another CPU. The build goes to a temp name
+and is renamed, so concurrent first runs are safe. No compiler (or a failed build)
+means no fast path: the runtime says so once and uses the torch path.
+
+``SPARKQ_KERNEL=off`` disables the C path, ``=scalar`` builds it without SIMD and ``=exact``
+with fp32 activations (no A8; tests measure the A8 error against it).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels") / "sq_decode.c"
+ABI = 1
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+class SqLinear(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64)]
+
+
+class SqLayer(ctypes.Structure):
+    _fields_ = [("qkv", SqLinear), ("o", SqLinear), ("gate_up", SqLinear), ("down", SqLinear)] + [
+        (n, ctypes.c_void_p) for n in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
+                                       "k_norm", "cos", "sin", "kcache", "vcache")] + [
+        ("rot", ctypes.c_int64), ("window", ctypes.c_int64)]
+
+
+class SqModel(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
+                                              "vocab", "cap", "act", "norm_offset", "threads")] + [
+        (n, ctypes.c_double) for n in ("eps", "attn_scale", "embed_mult")] + [
+        ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", ctypes.c_void_p)]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPARKQ_CACHE") or Path.home() / ".cache" / "sparkq") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    for cc in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        if shutil.which(cc):
+            return cc
+    return None
+
+
+def build(variant: str = "native", quiet: bool = True) -> tuple[Path, float]:
+    """Compile (or find in the cache) the library; returns (path, seconds spent compiling)."""
+    cc = _compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
+    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-lm"]
+    flags += {"native": ["-march=native"], "scalar": ["-DSQ_SCALAR"], "exact": ["-DSQ_SCALAR", "-DSQ_EXACT"]}[variant]
+    try:
+        ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cc} --version failed: {e}") from None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(flags).encode() + ver.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out = cache_dir() / f"sq_decode-{variant}-{key}.so"
+    if out.exists():
+        return out, 0.0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode:
+            raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {(r.stderr or r.stdout).strip()[:300]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out, time.perf_counter() - t0
+
+
+_LIBS: dict[str, ctypes.CDLL] = {}
+_WARNED = False
+
+
+def load(variant: str | None = None) -> ctypes.CDLL:
+    env = os.environ.get("SPARKQ_KERNEL", "")
+    variant = variant or (env if env in ("scalar", "exact") else "native")
+    if variant in _LIBS:
+        return _LIBS[variant]
+    path, _ = build(variant)
+    lib = ctypes.CDLL(str(path))
+    if lib.sq_abi() != ABI:
+        raise KernelUnavailable(f"{path}: ABI {lib.sq_abi()} != {ABI}; delete {cache_dir()}")
+    lib.sq_work_new.restype = ctypes.c_void_p
+    lib.sq_work_new.argtypes = [ctypes.POINTER(SqModel)]
+    lib.sq_work_free.argtypes = [ctypes.c_void_p]
+    lib.sq_step.argtypes = [ctypes.POINTER(SqModel), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.sq_linear_f32.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_void_p, ctypes.c_void_p]
+    lib.sq_set_threads.argtypes = [ctypes.c_int]
+    lib.sq_dequant_rows.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.sq_linear_batch.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    _LIBS[variant] = lib
+    return lib
+
+
+def try_load() -> ctypes.CDLL | None:
+    """The library, or None (with one line on stderr) when the C path is off or cannot be built."""
+    global _WARNED
+    if os.environ.get("SPARKQ_KERNEL", "").lower() in ("off", "0", "torch"):
+        return None
+    try:
+        return load()
+    except (KernelUnavailable, OSError) as e:
+        if not _WARNED:
+            print(f"sparkq: C decode path unavailable ({e}); using the torch path", file=sys.stderr)
+            _WARNED = True
+        return None

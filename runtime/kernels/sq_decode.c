@@ -1,0 +1,771 @@
+/* sparkq decode core: one whole token step (embedding -> layers -> head) in C.
+ *
+ * Compiled on the user's machine by sparkq/runtime/kernels.py (gcc/cc -O3 -march=native
+ * -fopenmp), loaded with ctypes, called once per generated token. Weights are read
+ * in place from the artifact's mapping; nothing is repacked or copied.
+ *
+ * Int4 linears use the "rows32" layout (formats/layout.py is the contract): row-major,
+ * each row K/2 bytes, 32-column blocks of 16 bytes, byte j = q[32b+j] | q[32b+j+16] << 4,
+ * with bf16 scales_zeros [K/g, N, 2] and w = (q - 8) * scale + zero.
+ *
+ * Products are W4A8: the activation vector is quantized per 32-column block to int8
+ * (scale = max|x| / 127, round to nearest), the code x activation dot products are
+ * exact integers (AVX2 maddubs: unsigned codes x signed activations), and
+ *   y[n] = sum_g s[g,n] * (sum_{b in g} xs[b] * (dot(q_b, xq_b) - 8 sum(xq_b))) + z[g,n] * sum_{k in g} x[k]
+ * The -8 offset must use the quantized sums (it belongs to the codes: using exact sums there
+ * leaves an uncancelled 8*s*sum(x^ - x) error, measured 4x the A8 KL); the zero term uses
+ * the unquantized x, so it carries no activation error.
+ * Int8 linears (per-row scale, e.g. the tied head) use the same activation blocks; bf16
+ * linears are multiplied in fp32. Everything between the products (norms, RoPE,
+ * attention, activations, residual) is fp32; the KV cache is bf16 and shared with the
+ * torch prefill path.
+ *
+ * SQ_SCALAR forces the portable C path (tests build both and compare).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(SQ_SCALAR)
+#define SQ_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define SQ_ABI 1
+
+enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2 };
+
+/* every field 8 bytes wide so the ctypes mirror has no padding questions */
+typedef struct {
+    const uint8_t *q;       /* int4: rows32 bytes [N, K/2]; int8: int8 [N, K]; bf16: bf16 [N, K] */
+    const uint16_t *sz;     /* int4: bf16 [K/g, N, 2]; int8: bf16 scales [N]; bf16: unused */
+    const uint16_t *bias;   /* bf16 [N] or NULL */
+    int64_t kind, n, k, g;
+} sq_linear;
+
+typedef struct {
+    sq_linear qkv, o, gate_up, down;
+    const uint16_t *attn_norm, *mlp_norm, *post_attn_norm, *post_mlp_norm, *q_norm, *k_norm;
+    const uint16_t *cos, *sin; /* bf16 [rope_len, rot] */
+    uint16_t *kcache, *vcache; /* bf16 [kv_heads, cap, head_dim] of this layer */
+    int64_t rot, window;       /* window 0 = full attention */
+} sq_layer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, cap, act, norm_offset, threads;
+    double eps, attn_scale, embed_mult; /* embed_mult 0 = off */
+    sq_layer *layer;
+    sq_linear head, embed;
+    const uint16_t *final_norm;
+} sq_model;
+
+static inline float bf(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+static inline uint16_t to_bf(float f) { /* round to nearest even, like torch */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+#ifdef SQ_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* ---- activation blocks --------------------------------------------------------------- */
+
+typedef struct {
+    int8_t *q;    /* [K] codes; natural column order, or "paired" (see quantize_act) */
+    float *s;     /* [K/32] scale per block */
+    float *s8;    /* [K/32 * 4] paired: per block pair, xs[2p] x4 then xs[2p+1] x4 */
+    float *gsum;  /* [K/g] exact fp32 sum of x per weight group */
+    float *gqsum; /* [K/g] sum of the quantized x per weight group */
+    const float *x;
+    int paired;
+} sq_act;
+
+static int sq_act_alloc(sq_act *a, int64_t maxk) {
+    a->q = malloc(maxk);
+    a->s = malloc(sizeof(float) * (maxk / 32 + 1));
+    a->s8 = malloc(sizeof(float) * (maxk / 32 + 2) * 4);
+    a->gsum = malloc(sizeof(float) * (maxk / 32 + 1));
+    a->gqsum = malloc(sizeof(float) * (maxk / 32 + 1));
+    return a->q && a->s && a->s8 && a->gsum && a->gqsum;
+}
+
+static void sq_act_free(sq_act *a) {
+    free(a->q); free(a->s); free(a->s8); free(a->gsum); free(a->gqsum);
+}
+
+/* Quantize x [k] per 32-column block for a product with L. For an int4 L on AVX2 with
+ * K % 64 == 0 and g % 64 == 0 the codes go in "paired" order: for block pair p,
+ * bytes 64p..64p+31 hold columns 0..15 of blocks 2p and 2p+1, bytes 64p+32..63 their
+ * columns 16..31 -- the order in which one 32-byte load of two weight blocks yields its
+ * low and high nibbles. */
+static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
+    const int64_t k = L->k, G = L->kind == KIND_INT4 ? L->g : 32;
+    a->x = x;
+#ifdef SQ_AVX2
+    a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0;
+#else
+    a->paired = 0;
+#endif
+    for (int64_t gi = 0; gi < k / G; gi++) a->gsum[gi] = a->gqsum[gi] = 0.f;
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + 32 * b;
+        int8_t *dst = a->q + (a->paired ? 64 * (b / 2) + 16 * (b % 2) : 32 * b);
+        float amax = 0.f, sum = 0.f, d;
+        int32_t qs = 0;
+#ifdef SQ_AVX2
+        /* the same arithmetic as the portable loop below (cvtps rounds half to even, as lrintf) */
+        __m256 v[4], ab = _mm256_setzero_ps(), sv = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            ab = _mm256_max_ps(ab, _mm256_andnot_ps(sign, v[i]));
+        }
+        sv = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(ab), _mm256_extractf128_ps(ab, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        amax = _mm_cvtss_f32(m4);
+        sum = hsum8(sv);
+        d = amax / 127.f;
+        const __m256 idv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], idv));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], idv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], idv));
+        __m256i is = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        qs = _mm_cvtsi128_si32(s4);
+        __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (a->paired) {
+            _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(q8));
+            _mm_storeu_si128((__m128i *)(dst + 32), _mm256_extracti128_si256(q8, 1));
+        } else {
+            _mm256_storeu_si256((__m256i *)dst, q8);
+        }
+#else
+        for (int j = 0; j < 32; j++) {
+            float v = fabsf(xb[j]);
+            amax = v > amax ? v : amax;
+            sum += xb[j];
+        }
+        d = amax / 127.f;
+        float id = amax > 0.f ? 127.f / amax : 0.f;
+        for (int j = 0; j < 32; j++) {
+            int8_t v = (int8_t)lrintf(xb[j] * id);
+            qs += v;
+            dst[j] = v;
+        }
+#endif
+        a->s[b] = d;
+        if (a->paired)
+            for (int j = 0; j < 4; j++) a->s8[8 * (b / 2) + 4 * (b % 2) + j] = d;
+        a->gsum[32 * b / G] += sum;
+        a->gqsum[32 * b / G] += d * (float)qs;
+    }
+}
+
+/* ---- products, rows [r0, r1) --------------------------------------------------------- */
+
+#ifdef SQ_AVX2
+
+/* int4 x paired int8 activations, R rows at a time sharing the activation loads
+ * (R is a compile-time constant so the accumulators stay in registers) */
+static inline __attribute__((always_inline)) void int4_rows_r(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                             const int R) {
+    const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G, rb = K / 2;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    float zt[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), zt[r] = 0.f;
+    const uint8_t *w = L->q + n * rb;
+    for (int64_t gi = 0; gi < ngroups; gi++) {
+        __m256 gacc[4];
+        for (int r = 0; r < R; r++) gacc[r] = _mm256_setzero_ps();
+        for (int64_t pp = 0; pp < ppg; pp++) {
+            const int64_t p = gi * ppg + pp;
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p));
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p + 32));
+            const __m256 xs = _mm256_loadu_ps(a->s8 + 8 * p);
+            for (int r = 0; r < R; r++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * rb + 32 * p));
+                __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                gacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), xs, gacc[r]);
+            }
+        }
+        const uint16_t *p = L->sz + 2 * (gi * N + n);
+        for (int r = 0; r < R; r++) {
+            float s = bf(p[2 * r]), z = bf(p[2 * r + 1]);
+            acc[r] = _mm256_fmadd_ps(gacc[r], _mm256_set1_ps(s), acc[r]);
+            zt[r] += z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
+        }
+    }
+    for (int r = 0; r < R; r++) y[n + r] = hsum8(acc[r]) + zt[r];
+}
+
+static void rows_int4_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    int64_t n = r0;
+    for (; n + 4 <= r1; n += 4) int4_rows_r(L, a, y, n, 4);
+    for (; n < r1; n++) int4_rows_r(L, a, y, n, 1);
+}
+
+static inline __attribute__((always_inline)) void int8_rows_r(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                             const int R) {
+    const int64_t K = L->k;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *w = (const int8_t *)L->q + n * K;
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+        const __m256 xs = _mm256_set1_ps(a->s[b]);
+        for (int r = 0; r < R; r++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * K + 32 * b));
+            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), xs, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[n + r] = hsum8(acc[r]) * bf(L->sz[n + r]);
+}
+
+static void rows_int8_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    /* one row at a time: measured 2x faster than 2 or 4 rows sharing the activation loads */
+    for (int64_t n = r0; n < r1; n++) int8_rows_r(L, a, y, n, 1);
+}
+#endif
+
+/* portable versions (natural activation order) */
+static void rows_int4_c(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    const int64_t K = L->k, N = L->n, G = L->g, bpg = G / 32, ngroups = K / G;
+    for (int64_t n = r0; n < r1; n++) {
+        const uint8_t *w = L->q + n * (K / 2);
+        float acc = 0.f;
+        for (int64_t gi = 0; gi < ngroups; gi++) {
+            const uint16_t *p = L->sz + 2 * (gi * N + n);
+            float s = bf(p[0]), z = bf(p[1]), gacc = 0.f;
+            for (int64_t b = gi * bpg; b < (gi + 1) * bpg; b++) {
+                int32_t d = 0;
+                const uint8_t *wb = w + 16 * b;
+                const int8_t *xb = a->q + 32 * b;
+                for (int j = 0; j < 16; j++) d += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[j + 16];
+                gacc += (float)d * a->s[b];
+            }
+            acc += gacc * s + z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
+        }
+        y[n] = acc;
+    }
+}
+
+#ifndef SQ_AVX2
+static void rows_int8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    const int64_t K = L->k;
+    for (int64_t n = r0; n < r1; n++) {
+        const int8_t *w = (const int8_t *)L->q + n * K;
+        float acc = 0.f;
+        for (int64_t b = 0; b < K / 32; b++) {
+            int32_t d = 0;
+            for (int j = 0; j < 32; j++) d += w[32 * b + j] * a->q[32 * b + j];
+            acc += (float)d * a->s[b];
+        }
+        y[n] = acc * bf(L->sz[n]);
+    }
+}
+
+#endif
+
+static void rows_bf16(const sq_linear *L, const float *x, float *y, int64_t r0, int64_t r1) {
+    const int64_t K = L->k;
+    const uint16_t *W = (const uint16_t *)L->q;
+    for (int64_t n = r0; n < r1; n++) {
+        const uint16_t *w = W + n * K;
+        float acc = 0.f;
+        int64_t j = 0;
+#ifdef SQ_AVX2
+        __m256 v = _mm256_setzero_ps();
+        for (; j + 8 <= K; j += 8) {
+            __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + j))), 16);
+            v = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(x + j), v);
+        }
+        acc = hsum8(v);
+#endif
+        for (; j < K; j++) acc += bf(w[j]) * x[j];
+        y[n] = acc;
+    }
+}
+
+#ifdef SQ_EXACT /* reference build: fp32 activations, no A8 (tests measure the A8 error against it) */
+static void rows_exact(const sq_linear *L, const float *x, float *y, int64_t r0, int64_t r1) {
+    const int64_t K = L->k, N = L->n;
+    for (int64_t n = r0; n < r1; n++) {
+        double acc = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            float w;
+            if (L->kind == KIND_INT4) {
+                uint8_t byte = L->q[n * (K / 2) + (k / 32) * 16 + (k % 16)];
+                int q = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
+                const uint16_t *p = L->sz + 2 * ((k / L->g) * N + n);
+                w = (q - 8.f) * bf(p[0]) + bf(p[1]);
+            } else {
+                w = ((const int8_t *)L->q)[n * K + k] * bf(L->sz[n]);
+            }
+            acc += (double)w * x[k];
+        }
+        y[n] = (float)acc;
+    }
+}
+#endif
+
+/* y = L x (+ bias); a is the activation workspace */
+/* Products are split in two so that a whole decode step runs in one parallel region:
+ * prep() runs on one thread (inside an `omp single`), products() is a worksharing loop
+ * that every thread of the region enters (its implicit barrier ends the product). */
+static void prep(const sq_linear *L, const float *x, sq_act *a) {
+    if (L->kind != KIND_BF16) quantize_act(x, L, a);
+    a->x = x;
+}
+
+static void products(const sq_linear *L, const sq_act *a, float *y) {
+    const int64_t N = L->n;
+    const float *x = a->x;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < (N + 15) / 16; c++) {
+        int64_t r0 = c * 16, r1 = r0 + 16 < N ? r0 + 16 : N;
+#ifdef SQ_EXACT
+        if (L->kind != KIND_BF16) rows_exact(L, x, y, r0, r1);
+        else
+#endif
+        if (L->kind == KIND_INT4) {
+#ifdef SQ_AVX2
+            if (a->paired) rows_int4_avx2(L, a, y, r0, r1);
+            else
+#endif
+            rows_int4_c(L, a, y, r0, r1);
+        } else if (L->kind == KIND_INT8) {
+#ifdef SQ_AVX2
+            rows_int8_avx2(L, a, y, r0, r1);
+#else
+            rows_int8_c(L, a, y, r0, r1);
+#endif
+        } else {
+            rows_bf16(L, x, y, r0, r1);
+        }
+        if (L->bias)
+            for (int64_t n = r0; n < r1; n++) y[n] += bf(L->bias[n]);
+    }
+}
+
+/* y = L x (+ bias), from outside a parallel region */
+static void linear(const sq_linear *L, const float *x, sq_act *a, float *y) {
+    prep(L, x, a);
+#pragma omp parallel
+    products(L, a, y);
+}
+
+/* ---- many tokens (prefill): Y[M, N] = X[M, K] W^T ------------------------------------------
+ * Each weight row is read from memory once and multiplied with the activations of TB
+ * tokens at a time (the activations, M*K bytes of int8, stay in cache). */
+
+#define TB 4
+
+typedef struct {
+    sq_act *a; /* [M] */
+    int64_t m;
+} sq_acts;
+
+#ifdef SQ_AVX2
+static inline __attribute__((always_inline)) void int4_row_tokens(const sq_linear *L, const sq_act *a, float *Y,
+                                                                  int64_t n, int64_t t0, const int T) {
+    const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const uint8_t *w = L->q + n * (K / 2);
+    __m256 acc[TB];
+    float zt[TB];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), zt[t] = 0.f;
+    for (int64_t gi = 0; gi < ngroups; gi++) {
+        const uint16_t *p = L->sz + 2 * (gi * N + n);
+        const float s = bf(p[0]), z = bf(p[1]);
+        const __m256 sv = _mm256_set1_ps(s);
+        for (int64_t pp = 0; pp < ppg; pp++) {
+            const int64_t q = gi * ppg + pp;
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * q));
+            __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+            for (int t = 0; t < T; t++) {
+                const sq_act *x = a + t0 + t;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)(x->q + 64 * q));
+                __m256i xh = _mm256_loadu_si256((const __m256i *)(x->q + 64 * q + 32));
+                __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                __m256 xs = _mm256_mul_ps(_mm256_loadu_ps(x->s8 + 8 * q), sv);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), xs, acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) zt[t] += z * a[t0 + t].gsum[gi] - 8.f * s * a[t0 + t].gqsum[gi];
+    }
+    for (int t = 0; t < T; t++) Y[(t0 + t) * N + n] = hsum8(acc[t]) + zt[t];
+}
+
+static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linear *L, const sq_act *a, float *Y,
+                                                                  int64_t n, int64_t t0, const int T) {
+    const int64_t K = L->k, N = L->n;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *w = (const int8_t *)L->q + n * K;
+    __m256 acc[TB];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * b));
+        __m256i aw = _mm256_sign_epi8(wv, wv);
+        for (int t = 0; t < T; t++) {
+            const sq_act *x = a + t0 + t;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
+            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(x->s[b]), acc[t]);
+        }
+    }
+    const float sc = bf(L->sz[n]);
+    for (int t = 0; t < T; t++) Y[(t0 + t) * N + n] = hsum8(acc[t]) * sc;
+}
+#endif
+
+/* Y [M, N] fp32 = X [M, K] fp32 times L (no bias). Returns 0, or -1 when out of memory. */
+int sq_linear_batch(const sq_linear *L, const float *X, int64_t M, float *Y) {
+    const int64_t K = L->k, N = L->n;
+    if (L->kind == KIND_BF16) return -2;
+    sq_act *a = calloc(M, sizeof(sq_act));
+    int8_t *qbuf = malloc(M * K);
+    float *fbuf = malloc(sizeof(float) * M * (K / 32 + 2) * 8);
+    if (!a || !qbuf || !fbuf) { free(a); free(qbuf); free(fbuf); return -1; }
+    const int64_t fs = (K / 32 + 2) * 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < M; t++) {
+        float *f = fbuf + t * fs;
+        a[t].q = qbuf + t * K;
+        a[t].s = f;
+        a[t].gsum = f + (K / 32 + 1);
+        a[t].gqsum = f + 2 * (K / 32 + 1);
+        a[t].s8 = f + 3 * (K / 32 + 1);
+        quantize_act(X + t * K, L, &a[t]);
+    }
+#ifdef SQ_AVX2
+    if (L->kind == KIND_INT8 || a[0].paired) {
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            int64_t t = 0;
+            if (L->kind == KIND_INT4) {
+                for (; t + TB <= M; t += TB) int4_row_tokens(L, a, Y, n, t, TB);
+                for (; t < M; t++) int4_row_tokens(L, a, Y, n, t, 1);
+            } else {
+                for (; t + TB <= M; t += TB) int8_row_tokens(L, a, Y, n, t, TB);
+                for (; t < M; t++) int8_row_tokens(L, a, Y, n, t, 1);
+            }
+        }
+    } else
+#endif
+    {
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < M; t++) {
+#ifndef SQ_AVX2
+            if (L->kind == KIND_INT8) rows_int8_c(L, &a[t], Y + t * N, 0, N);
+            else
+#endif
+            rows_int4_c(L, &a[t], Y + t * N, 0, N);
+        }
+    }
+    free(a); free(qbuf); free(fbuf);
+    return 0;
+}
+
+/* W rows [r0, r1) of an int4 rows32 linear, dequantized to fp32 [r1 - r0, K] (prefill: the
+ * caller multiplies with a dense GEMM). */
+int sq_dequant_rows(const sq_linear *L, int64_t r0, int64_t r1, float *out) {
+    const int64_t K = L->k, N = L->n, G = L->g;
+    if (L->kind != KIND_INT4 || r0 < 0 || r1 > N || r0 > r1) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = r0; n < r1; n++) {
+        const uint8_t *w = L->q + n * (K / 2);
+        float *o = out + (n - r0) * K;
+        for (int64_t gi = 0; gi < K / G; gi++) {
+            const uint16_t *p = L->sz + 2 * (gi * N + n);
+            const float s = bf(p[0]), c = bf(p[1]) - 8.f * s;
+            for (int64_t b = gi * (G / 32); b < (gi + 1) * (G / 32); b++) {
+                const uint8_t *wb = w + 16 * b;
+                float *ob = o + 32 * b;
+#ifdef SQ_AVX2
+                const __m256 sv = _mm256_set1_ps(s), cv = _mm256_set1_ps(c);
+                __m128i raw = _mm_loadu_si128((const __m128i *)wb);
+                __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
+                _mm256_storeu_ps(ob, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sv, cv));
+                _mm256_storeu_ps(ob + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sv, cv));
+                _mm256_storeu_ps(ob + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sv, cv));
+                _mm256_storeu_ps(ob + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sv, cv));
+#else
+                for (int j = 0; j < 16; j++) {
+                    ob[j] = (wb[j] & 15) * s + c;
+                    ob[j + 16] = (wb[j] >> 4) * s + c;
+                }
+#endif
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- the pointwise parts --------------------------------------------------------------- */
+
+static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, int offset, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; i++) ss += (double)x[i] * x[i];
+    float r = (float)(1.0 / sqrt(ss / d + eps));
+    for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * (offset ? 1.f + bf(w[i]) : bf(w[i]));
+}
+
+static void rope(float *v, const uint16_t *cos, const uint16_t *sin, int64_t rot) {
+    int64_t h = rot / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = v[i], b = v[i + h];
+        v[i] = a * bf(cos[i]) - b * bf(sin[i]);
+        v[i + h] = b * bf(cos[i + h]) + a * bf(sin[i + h]);
+    }
+}
+
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* ---- workspace ---------------------------------------------------------------------- */
+
+typedef struct {
+    float *xn, *qkv, *att, *h, *gu, *mid, *scores, *logits_tmp;
+    sq_act a;
+    int64_t maxk;
+} sq_work;
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+void *sq_work_new(const sq_model *m) {
+    sq_work *w = calloc(1, sizeof(sq_work));
+    if (!w) return NULL;
+    int64_t qd = m->heads * m->head_dim, kvd = m->kv_heads * m->head_dim;
+    int64_t maxk = max3(m->hidden, m->inter, qd);
+    w->maxk = maxk;
+    w->xn = malloc(sizeof(float) * maxk);
+    w->qkv = malloc(sizeof(float) * (qd + 2 * kvd));
+    w->att = malloc(sizeof(float) * qd);
+    w->h = malloc(sizeof(float) * m->hidden);
+    w->gu = malloc(sizeof(float) * 2 * m->inter);
+    w->mid = malloc(sizeof(float) * m->inter);
+    w->scores = malloc(sizeof(float) * m->heads * m->cap);
+    if (!sq_act_alloc(&w->a, maxk) || !w->xn || !w->qkv || !w->att || !w->h || !w->gu || !w->mid || !w->scores)
+        return NULL;
+    return w;
+}
+
+void sq_work_free(void *p) {
+    sq_work *w = p;
+    if (!w) return;
+    free(w->xn); free(w->qkv); free(w->att); free(w->h); free(w->gu); free(w->mid); free(w->scores);
+    sq_act_free(&w->a);
+    free(w);
+}
+
+/* ---- attention for one query token -------------------------------------------------------- */
+
+static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t pos) {
+    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim, cap = m->cap, grp = H / KV;
+    int64_t end = pos + 1, start = L->window > 0 && end > L->window ? end - L->window : 0;
+    const float scale = (float)m->attn_scale;
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+        const float *q = w->qkv + h * D;
+        const uint16_t *K = L->kcache + (h / grp) * cap * D, *V = L->vcache + (h / grp) * cap * D;
+        float *sc = w->scores + h * cap, mx = -INFINITY;
+        for (int64_t t = start; t < end; t++) {
+            const uint16_t *kr = K + t * D;
+            float d = 0.f;
+            int64_t j = 0;
+#ifdef SQ_AVX2
+            __m256 v = _mm256_setzero_ps();
+            for (; j + 8 <= D; j += 8) {
+                __m256i ki = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(kr + j))), 16);
+                v = _mm256_fmadd_ps(_mm256_castsi256_ps(ki), _mm256_loadu_ps(q + j), v);
+            }
+            d = hsum8(v);
+#endif
+            for (; j < D; j++) d += q[j] * bf(kr[j]);
+            d *= scale;
+            sc[t] = d;
+            mx = d > mx ? d : mx;
+        }
+        float sum = 0.f;
+        for (int64_t t = start; t < end; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+        float inv = 1.f / sum, *o = w->att + h * D;
+        for (int64_t j = 0; j < D; j++) o[j] = 0.f;
+        for (int64_t t = start; t < end; t++) {
+            const uint16_t *vr = V + t * D;
+            float p = sc[t] * inv;
+            int64_t j = 0;
+#ifdef SQ_AVX2
+            __m256 pv = _mm256_set1_ps(p);
+            for (; j + 8 <= D; j += 8) {
+                __m256i vi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vr + j))), 16);
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(_mm256_castsi256_ps(vi), pv, _mm256_loadu_ps(o + j)));
+            }
+#endif
+            for (; j < D; j++) o[j] += p * bf(vr[j]);
+        }
+    }
+}
+
+/* ---- public entry points ------------------------------------------------------------------- */
+
+int sq_abi(void) { return SQ_ABI; }
+
+int sq_simd(void) {
+#ifdef SQ_AVX2
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+int sq_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+void sq_set_threads(int n) {
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+/* y[N] = W x for one linear (tests and tools); x fp32 [K] */
+int sq_linear_f32(const sq_linear *L, const float *x, float *y) {
+    sq_act a;
+    int ok = sq_act_alloc(&a, L->k);
+    if (ok) linear(L, x, &a, y);
+    sq_act_free(&a);
+    if (!ok) return -1;
+    return 0;
+}
+
+/* embedding row -> fp32 */
+static void embed_row(const sq_linear *E, int64_t id, float *x) {
+    const int64_t K = E->k;
+    if (E->kind == KIND_INT4) {
+        const uint8_t *w = E->q + id * (K / 2);
+        for (int64_t b = 0; b < K / 32; b++)
+            for (int j = 0; j < 16; j++) {
+                int64_t k0 = 32 * b + j, k1 = k0 + 16;
+                const uint16_t *p0 = E->sz + 2 * ((k0 / E->g) * E->n + id), *p1 = E->sz + 2 * ((k1 / E->g) * E->n + id);
+                x[k0] = bf(to_bf(((w[16 * b + j] & 15) - 8.f) * bf(p0[0]) + bf(p0[1])));
+                x[k1] = bf(to_bf(((w[16 * b + j] >> 4) - 8.f) * bf(p1[0]) + bf(p1[1])));
+            }
+    } else if (E->kind == KIND_INT8) {
+        const int8_t *w = (const int8_t *)E->q + id * K;
+        float s = bf(E->sz[id]);
+        for (int64_t k = 0; k < K; k++) x[k] = bf(to_bf(w[k] * s));
+    } else {
+        const uint16_t *w = (const uint16_t *)E->q + id * K;
+        for (int64_t k = 0; k < K; k++) x[k] = bf(w[k]);
+    }
+}
+
+/* One decode step: token at position pos -> logits fp32 [vocab]. x is fp32 [hidden] scratch;
+ * hn (optional, fp32 [hidden]) receives the final-normed hidden state.
+ * Returns 0, or -1 if pos is outside the cache. */
+int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x, float *logits, float *hn) {
+    sq_work *w = work;
+    if (pos < 0 || pos >= m->cap) return -1;
+    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int off = (int)m->norm_offset;
+    /* one parallel region per token: `single` blocks for the serial parts, worksharing loops
+     * for the products and attention (each ends in a barrier), no fork/join per product */
+#pragma omp parallel
+    {
+#pragma omp single
+        {
+            embed_row(&m->embed, token, x);
+            if (m->embed_mult != 0.0)
+                for (int64_t i = 0; i < E; i++) x[i] = bf(to_bf(x[i] * (float)m->embed_mult));
+        }
+        for (int64_t li = 0; li < m->layers; li++) {
+            const sq_layer *L = &m->layer[li];
+#pragma omp single
+            {
+                rms_norm(x, L->attn_norm, E, m->eps, off, w->xn);
+                prep(&L->qkv, w->xn, &w->a);
+            }
+            products(&L->qkv, &w->a, w->qkv);
+#pragma omp single
+            {
+                float *q = w->qkv, *k = q + H * D, *v = k + KV * D;
+                for (int64_t h = 0; h < H + KV; h++) {
+                    float *hv = q + h * D; /* q heads then k heads are contiguous */
+                    if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, off, hv);
+                    rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
+                }
+                for (int64_t h = 0; h < KV; h++)
+                    for (int64_t j = 0; j < D; j++) {
+                        L->kcache[(h * m->cap + pos) * D + j] = to_bf(k[h * D + j]);
+                        L->vcache[(h * m->cap + pos) * D + j] = to_bf(v[h * D + j]);
+                    }
+            }
+            attention(m, L, w, pos);
+#pragma omp single
+            prep(&L->o, w->att, &w->a);
+            products(&L->o, &w->a, w->h);
+#pragma omp single
+            {
+                if (L->post_attn_norm) rms_norm(w->h, L->post_attn_norm, E, m->eps, off, w->h);
+                for (int64_t i = 0; i < E; i++) x[i] += w->h[i];
+                rms_norm(x, L->mlp_norm, E, m->eps, off, w->xn);
+                prep(&L->gate_up, w->xn, &w->a);
+            }
+            products(&L->gate_up, &w->a, w->gu);
+#pragma omp single
+            {
+                for (int64_t i = 0; i < I; i++) {
+                    float g = w->gu[i];
+                    w->mid[i] = (m->act == 0 ? g / (1.f + expf(-g)) : gelu_tanh(g)) * w->gu[I + i];
+                }
+                prep(&L->down, w->mid, &w->a);
+            }
+            products(&L->down, &w->a, w->h);
+#pragma omp single
+            {
+                if (L->post_mlp_norm) rms_norm(w->h, L->post_mlp_norm, E, m->eps, off, w->h);
+                for (int64_t i = 0; i < E; i++) x[i] += w->h[i];
+            }
+        }
+#pragma omp single
+        {
+            rms_norm(x, m->final_norm, E, m->eps, off, w->xn);
+            if (hn) memcpy(hn, w->xn, sizeof(float) * E);
+            prep(&m->head, w->xn, &w->a);
+        }
+        products(&m->head, &w->a, logits); /* a final softcap, if any, is applied by the caller */
+    }
+    return 0;
+}
