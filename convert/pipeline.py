@@ -41,7 +41,7 @@ def sparkq_version() -> str:
 @dataclass
 class Options:
     group_size: int = 128
-    target: str = "native"
+    target: str = "rows32"
     recipe: str | None = None
     method: str = "auto"  # auto: gptq when calibration text is given (--calib), else clip
     force: bool = False

@@ -14,6 +14,7 @@ import torch
 from sparkq.formats.layout import ROWS32
 
 from . import kernels as K
+from .model import REFINE_TOP
 from .weights import DenseLinear, Int4Linear, Int8Linear
 
 KIND = {"int4": 0, "int8": 1, "bf16": 2}
@@ -82,6 +83,7 @@ class FastDecoder:
         m.inter, m.vocab, m.cap = s.intermediate, model.head.n, model.cache.capacity
         m.act = 0 if s.act == "silu" else 1
         m.norm_offset, m.threads = int(bool(s.norm_offset)), threads
+        m.refine_top = REFINE_TOP  # the top logits are recomputed exactly in C, as Model._refine_top does
         m.eps, m.attn_scale = s.rms_eps, model.scale
         m.embed_mult = float(model.embed_mult) if model.embed_mult is not None else 0.0
         m.layer = ctypes.cast(layers, ctypes.POINTER(K.SqLayer))

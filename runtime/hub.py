@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparkq.formats.hub import HubError, snapshot, split_repo, variant_patterns, variants_in
-from sparkq.formats.layout import LayoutError, host_layout
+from sparkq.formats.layout import ROWS32, LayoutError, host_layout
 
 from .errors import RuntimeUserError
 
@@ -56,26 +56,39 @@ def _check_download(repo: str, rev: str | None, patterns: list[str], art_dir: Pa
     marker.touch()
 
 
+def runnable_layouts() -> list[str]:
+    """Layouts this host runs, best first: rows32 through the C core when it builds here, then
+    the layout of torch's int4 kernel on this CPU (rows32 last: it still runs, slowly)."""
+    from . import kernels
+
+    try:
+        host = [host_layout()]
+    except LayoutError:
+        host = []
+    return [ROWS32, *host] if kernels.try_load() is not None else [*host, ROWS32]
+
+
 def download_artifact(spec: str) -> tuple[Path, dict]:
-    """(local artifact dir, {"repo", "revision", "variant"}) for ``org/name[@revision]``."""
+    """(local artifact dir, {"repo", "revision", "variant"}) for ``org/name[@revision]``: the first
+    variant of :func:`runnable_layouts` the repo has (only that folder is fetched)."""
     repo, rev = split_repo(spec)
-    try:
-        layout = host_layout()
-    except LayoutError as e:
-        raise RuntimeUserError(str(e)) from None
-    patterns = variant_patterns(layout) + ["sparkq.json", "config.json", "model.sparkq.safetensors", "tokenizer*",
-                                           "generation_config.json", "chat_template*"]
-    try:
-        snap = snapshot(repo, rev, patterns)
-    except HubError as e:
-        raise RuntimeUserError(str(e)) from None
-    info = {"repo": repo, "revision": snap.name, "requested_revision": rev or "main"}
-    for d, variant in ((snap / layout, layout), (snap, "(root)")):
-        if (d / "sparkq.json").exists():
-            info["variant"] = variant
-            _check_download(repo, rev, patterns, d, info)
-            return d, info
+    extra = ["sparkq.json", "config.json", "model.sparkq.safetensors", "tokenizer*", "generation_config.json",
+             "chat_template*"]
+    snap = None
+    for i, layout in enumerate(runnable_layouts()):
+        patterns = variant_patterns(layout) + (extra if i == 0 else [])
+        try:
+            snap = snapshot(repo, rev, patterns)
+        except HubError as e:
+            raise RuntimeUserError(str(e)) from None
+        info = {"repo": repo, "revision": snap.name, "requested_revision": rev or "main"}
+        for d, variant in ((snap / layout, layout), (snap, "(root)")):
+            if (d / "sparkq.json").exists():
+                info["variant"] = variant
+                _check_download(repo, rev, patterns, d, info)
+                return d, info
     have = _repo_variants(repo, rev, snap)
+    want = runnable_layouts()
     raise RuntimeUserError(
-        f"Hub repo {repo} has no artifact for this CPU's layout {layout!r} (it has: {', '.join(have) or 'none'}); "
-        f"convert one yourself: spark-convert SRC OUT --target {layout}")
+        f"Hub repo {repo} has no artifact this host can run (it has: {', '.join(have) or 'none'}; this host runs "
+        f"{', '.join(want)}); convert one yourself: spark-convert SRC OUT --target {want[0]}")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "sq_decode.c"
-ABI = 1
+ABI = 2
 
 
 class KernelUnavailable(RuntimeError):
@@ -45,7 +45,7 @@ class SqLayer(ctypes.Structure):
 
 class SqModel(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                                              "vocab", "cap", "act", "norm_offset", "threads")] + [
+                                              "vocab", "cap", "act", "norm_offset", "threads", "refine_top")] + [
         (n, ctypes.c_double) for n in ("eps", "attn_scale", "embed_mult")] + [
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", ctypes.c_void_p)]
 

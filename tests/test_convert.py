@@ -14,12 +14,12 @@ import torch
 from helpers import make_llama, run_cli, run_py
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats import Artifact, constants as C
-from sparkq.formats.layout import dequantize_codes, host_layout, unpack
+from sparkq.formats.layout import ROWS32, dequantize_codes, host_layout, unpack
 
 
 def test_artifact_contents_and_format(tiny_tied, tiny_tied_art):
     art = Artifact.open(tiny_tied_art)
-    assert art.layout == host_layout()
+    assert art.layout == ROWS32  # the default target: CPU-independent
     names = set(art.infos)
     assert "lm_head.qweight" in names and not any(n.startswith("embed") for n in names)  # tied: stored once
     assert "layers.0.qkv.qweight" in names and "layers.0.gate_up.qweight" in names
@@ -29,7 +29,7 @@ def test_artifact_contents_and_format(tiny_tied, tiny_tied_art):
             assert t.start % C.ALIGNMENT == 0
     cfg = json.loads((tiny_tied_art / "config.json").read_text())
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == "sparkq" and qc["bits"] == 4 and qc["layout"] == host_layout()
+    assert qc["quant_method"] == "sparkq" and qc["bits"] == 4 and qc["layout"] == ROWS32
     assert (tiny_tied_art / "tokenizer.json").exists()
     # the fused qkv dequantizes to cat(q, k, v) within int4 error, with the codes using the kernel convention
     from safetensors import safe_open
@@ -201,7 +201,7 @@ def test_inspect_and_verify(tiny_tied_art, tmp_path):
     p = run_cli("sparkq", "inspect", tiny_tied_art, "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
-    assert s["layout"] == host_layout() and s["tied_embeddings"] is True
+    assert s["layout"] == ROWS32 and s["tied_embeddings"] is True
     assert 4.0 < s["bits_per_weight_linears"] < 5.0 and s["bytes_by_role"]["lm_head"] > 0
     assert run_cli("sparkq", "inspect", tiny_tied_art).returncode == 0
     assert run_cli("sparkq", "verify", tiny_tied_art).returncode == 0

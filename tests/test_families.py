@@ -29,6 +29,7 @@ def _hf_logits(path, ids, dtype):
 def test_family_bf16_vs_transformers_and_int4(fam, tmp_path):
     src = make_llama(tmp_path / fam, **FAMILIES[fam])
     m = load(str(src), max_model_len=64)
+    assert m.info.extra["decode_path"].startswith("c ("), m.info.extra  # bf16 linears decode in C too
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     steps = [m.model.forward(torch.tensor(ids), 0, last_only=False)]
     seq = list(ids)
@@ -53,8 +54,14 @@ def test_family_bf16_vs_transformers_and_int4(fam, tmp_path):
     a = q.model.forward(t, 0, last_only=False)
     b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
-    # int4 kernels vs fp32 on the same dequantized weights: no worse than plain bf16 compute is
-    assert (a - b32).abs().max() <= 1.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max(), fam
+    # the C core's W4A8 products (activations int8 per 32 columns) vs fp32 on the same
+    # dequantized weights: within 2.5x of what plain bf16 compute loses (measured 1.6-2.3x here)
+    assert (a - b32).abs().max() <= 2.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max(), fam
+    # decode steps through the C step, attention over the cache the prefill wrote
+    q.model.forward(t[:20], 0)
+    dec = torch.cat([q.model.forward(t[i:i + 1], i) for i in range(20, len(seq))])
+    assert q.info.extra["decode_path"].startswith("c ("), q.info.extra
+    assert (dec - b32[20:]).abs().max() <= 2.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max(), fam
 
 
 def test_unknown_architecture_lists_supported(tmp_path):

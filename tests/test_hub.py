@@ -8,7 +8,7 @@ import pytest
 from fakehub import FakeHub
 from helpers import run_cli
 from sparkq.formats import constants as C
-from sparkq.formats.layout import host_layout
+from sparkq.formats.layout import ROWS32, host_layout
 
 
 @pytest.fixture()
@@ -27,7 +27,7 @@ def test_upload_download_roundtrip_and_card(hub, tiny_tied, tiny_tied_art, tmp_p
     p = run_cli("sparkq", "upload", art, "me/tiny-sparkq", "--json", env=hub.env)
     assert p.returncode == 0, p.stderr
     u = json.loads(p.stdout)
-    layout = host_layout()
+    layout = ROWS32  # the default target
     assert u["variant"] == layout and u["variants"] == [layout]
     assert layout in u["commit_message"] and "sparkq" in u["commit_message"] and str(tiny_tied.resolve()) in u["commit_message"]
     files = hub.files("me/tiny-sparkq")
@@ -64,8 +64,8 @@ def test_upload_download_roundtrip_and_card(hub, tiny_tied, tiny_tied_art, tmp_p
 
 
 def test_second_variant_pinned_revision_and_missing_variant(hub, tiny_tied, tmp_path):
-    layout = host_layout()
-    other = "default" if layout != "default" else "avx2"
+    layout = ROWS32  # what this host prefers (the C core builds here); "other" is an aten layout it cannot run
+    other = "default" if host_layout() != "default" else "avx2"
     for t in (layout, other):
         assert run_cli("spark-convert", tiny_tied, tmp_path / t, "--target", t, "--quiet").returncode == 0
     p1 = run_cli("sparkq", "upload", tmp_path / other, "me/multi", "--json", env=hub.env)
@@ -120,7 +120,7 @@ def test_upload_failure_says_why(hub, tiny_tied_art):
 
 def test_corrupted_download_is_detected_and_refetched(hub, tiny_tied_art, tmp_path):
     assert run_cli("sparkq", "upload", tiny_tied_art, "me/c", env=hub.env).returncode == 0
-    layout = host_layout()
+    layout = ROWS32
     hub.corrupt_next.add(f"{layout}/{C.WEIGHTS_FILE}")  # the first download of the weights gets a flipped byte
     g = run_cli("sparkq", "generate", "me/c", "abc", "--max-new-tokens", "3", "--json", env=hub.env)
     assert g.returncode == 0, g.stderr

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import host_capabilities, run_py
-from sparkq.formats.layout import LAYOUTS, dequantize_t, gather_rows, pack_rows, unpack
+from sparkq.formats.layout import ATEN_LAYOUTS, LAYOUTS, ROWS32, dequantize_t, gather_rows, pack_rows, unpack
 
 SHAPES = [(16, 64), (32, 64), (48, 128), (64, 32), (80, 64), (96, 64), (112, 128), (144, 64), (960, 64), (1024, 128)]
 
@@ -35,11 +35,25 @@ def torch_loop_reference(q: np.ndarray, layout: str) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(ATEN_LAYOUTS))
 @pytest.mark.parametrize("n,k", [(16, 8), (48, 4), (64, 4), (80, 6), (160, 4)])
 def test_pack_matches_kernel_source_loop(layout, n, k):
     q = np.random.default_rng(n * k).integers(0, 16, (n, k), dtype=np.uint8)
     assert np.array_equal(pack_rows(q, layout, n), torch_loop_reference(q, layout))
+
+
+def test_rows32_bytes_follow_the_documented_rule():
+    """rows32 (read by runtime/kernels/sq_decode.c): row n at n*K/2, 16 bytes per 32 columns,
+    byte j of block b = q[32b+j] | q[32b+j+16] << 4; packing row blocks concatenates."""
+    n, k = 48, 96
+    q = np.random.default_rng(3).integers(0, 16, (n, k), dtype=np.uint8)
+    ref = np.zeros(n * k // 2, np.uint8)
+    for r in range(n):
+        for b in range(k // 32):
+            for j in range(16):
+                ref[r * k // 2 + b * 16 + j] = q[r, 32 * b + j] | (q[r, 32 * b + j + 16] << 4)
+    assert np.array_equal(pack_rows(q, ROWS32, n), ref)
+    assert np.array_equal(np.concatenate([pack_rows(q[i:i + 16], ROWS32, n) for i in range(0, n, 16)]), ref)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -180,9 +180,10 @@ def test_example_paris_chat_and_determinism(example_art):
 
 
 def test_example_prefill_arms_agree(example_art):
-    """prefill_dequant on (fp32/bf16 GEMM on dequantized blocks) vs off (int4 kernel): the same
-    weights through numerically different paths. Both must sit equally close to an fp32
-    reference of the dequantized weights, and greedy output on a long prompt is identical."""
+    """prefill_dequant on (fp32/bf16 GEMM on dequantized blocks above 64 rows) vs off (the C
+    W4A8 kernel for every row count): the same weights through numerically different paths.
+    Both sit close to an fp32 reference of the dequantized weights (the W4A8 arm within its
+    stated budget, KL < 0.01), and greedy output on a long prompt is identical."""
     from sparkq.formats.layout import dequantize_codes, unpack
     from sparkq.runtime.model import Model
     from sparkq.runtime.weights import KERNEL_MAX_ROWS
@@ -203,7 +204,8 @@ def test_example_prefill_arms_agree(example_art):
         la = arm.logits(ids)
         kl = torch.nn.functional.kl_div(la.log_softmax(-1), lr, log_target=True, reduction="batchmean").item()
         top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
-        assert kl < 0.005 and top1 > 0.95, (arm.model.lin["layers.0.qkv"].prefill_dequant, kl, top1)
+        budget = 0.005 if arm is on else 0.01  # W4A8: activations int8 per 32 columns
+        assert kl < budget and top1 > 0.95, (arm.model.lin["layers.0.qkv"].prefill_dequant, kl, top1)
     assert isinstance(on.model.lin["layers.0.qkv"], Int4Linear)
 
 

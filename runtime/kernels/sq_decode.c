@@ -34,7 +34,7 @@
 #include <immintrin.h>
 #endif
 
-#define SQ_ABI 1
+#define SQ_ABI 2
 
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2 };
 
@@ -55,7 +55,7 @@ typedef struct {
 } sq_layer;
 
 typedef struct {
-    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, cap, act, norm_offset, threads;
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, cap, act, norm_offset, threads, refine_top;
     double eps, attn_scale, embed_mult; /* embed_mult 0 = off */
     sq_layer *layer;
     sq_linear head, embed;
@@ -223,7 +223,13 @@ static inline __attribute__((always_inline)) void int4_rows_r(const sq_linear *L
 
 static void rows_int4_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     int64_t n = r0;
-    for (; n + 4 <= r1; n += 4) int4_rows_r(L, a, y, n, 4);
+    const int64_t blk = 4 * (L->k / 2);
+    for (; n + 4 <= r1; n += 4) {
+        /* the next 4-row block is contiguous: ask for it while this one computes */
+        const char *next = (const char *)(L->q + (n + 4) * (L->k / 2));
+        for (int64_t o = 0; o < blk; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+        int4_rows_r(L, a, y, n, 4);
+    }
     for (; n < r1; n++) int4_rows_r(L, a, y, n, 1);
 }
 
@@ -692,6 +698,46 @@ static void embed_row(const sq_linear *E, int64_t id, float *x) {
     }
 }
 
+/* Recompute the k largest logits exactly (fp32 activations, no A8), so that greedy picks
+ * and near-ties do not depend on the activation rounding (the torch path does the same). */
+static void refine_top(const sq_linear *H, const float *x, float *logits, int64_t k) {
+    int64_t idx[16];
+    float val[16];
+    int cnt = 0;
+    if (k > 16) k = 16;
+    if (k <= 0) return;
+    for (int64_t i = 0; i < H->n; i++) {
+        float v = logits[i];
+        if (cnt == k && v <= val[cnt - 1]) continue;
+        int j = cnt < k ? cnt++ : (int)k - 1;
+        while (j > 0 && val[j - 1] < v) { val[j] = val[j - 1]; idx[j] = idx[j - 1]; j--; }
+        val[j] = v;
+        idx[j] = i;
+    }
+    const int64_t K = H->k;
+    for (int c = 0; c < cnt; c++) {
+        const int64_t n = idx[c];
+        double acc = 0.0;
+        if (H->kind == KIND_INT4) {
+            const uint8_t *w = H->q + n * (K / 2);
+            for (int64_t kk = 0; kk < K; kk++) {
+                uint8_t byte = w[(kk / 32) * 16 + (kk % 16)];
+                int q = (kk % 32) < 16 ? (byte & 15) : (byte >> 4);
+                const uint16_t *p = H->sz + 2 * ((kk / H->g) * H->n + n);
+                acc += (double)((q - 8.f) * bf(p[0]) + bf(p[1])) * x[kk];
+            }
+        } else if (H->kind == KIND_INT8) {
+            const int8_t *w = (const int8_t *)H->q + n * K;
+            const float s = bf(H->sz[n]);
+            for (int64_t kk = 0; kk < K; kk++) acc += (double)(w[kk] * s) * x[kk];
+        } else {
+            const uint16_t *w = (const uint16_t *)H->q + n * K;
+            for (int64_t kk = 0; kk < K; kk++) acc += (double)bf(w[kk]) * x[kk];
+        }
+        logits[n] = (float)acc;
+    }
+}
+
 /* One decode step: token at position pos -> logits fp32 [vocab]. x is fp32 [hidden] scratch;
  * hn (optional, fp32 [hidden]) receives the final-normed hidden state.
  * Returns 0, or -1 if pos is outside the cache. */
@@ -766,6 +812,8 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             prep(&m->head, w->xn, &w->a);
         }
         products(&m->head, &w->a, logits); /* a final softcap, if any, is applied by the caller */
+#pragma omp single
+        refine_top(&m->head, w->xn, logits, m->refine_top);
     }
     return 0;
 }
