@@ -3,7 +3,9 @@
 Runs the product's own commands (listed verbatim in the output) on the bundled example
 (SmolLM2-135M-Instruct) and on a synthetic Qwen3-1.7B shape (random weights, tied), and on the Spark-like hybrid shape (RoPE memory A/B):
 conversion, memory ledger with peak vs settled, fidelity (example only: random weights
-have no meaningful fidelity), and interleaved speed arms int4 vs the bf16 reference.
+have no meaningful fidelity), and interleaved speed arms: the C decode core (rows32), torch's
+int4 kernel, thread/wait-policy arms, the bf16 reference and, when llama-cpp-python is
+installed, llama.cpp Q4_0 (and Q4_K_M) of the same model.
 """
 from __future__ import annotations
 
@@ -50,6 +52,49 @@ def mem_table(results: dict[str, dict]) -> list[str]:
                   "are process RSS (anon + file) sampled every 2 ms through load and warm-up."]
 
 
+def have_llama() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def llama_ggufs(w: Path, example_gguf, log: list[str]) -> list[str]:
+    """llama.cpp Q4_0 and Q4_K_M of the example, requantized by llama.cpp's own quantizer from the
+    shipped GGUF (the same files `make quality` measures); [] without llama-cpp-python."""
+    if not have_llama():
+        return []
+    from sparkq.cli.quality import llama_quantize
+
+    out = []
+    for ftype in ("MOSTLY_Q4_0", "MOSTLY_Q4_K_M"):
+        dst = w / f"quality-llamacpp-{ftype}.gguf"
+        if not dst.exists():
+            log.append(f"llama_model_quantize({example_gguf}, {dst}, {ftype})")
+            llama_quantize(Path(str(example_gguf)), dst, ftype)
+        out.append(str(dst))
+    return out
+
+
+def speed_table(res: dict) -> list[str]:
+    """The decode/prefill summary: every path of both models beside llama.cpp Q4_0 (same run)."""
+    L = ["| model | path | decode tok/s [min..max] | prefill tok/s [min..max] | decode GB/s (% of read ceiling) | "
+         "decode vs llama.cpp Q4_0 | prefill vs llama.cpp Q4_0 | load s | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, key in (("SmolLM2-135M (example)", "example_bench"), ("Qwen3-1.7B shape", "big_bench")):
+        r = res[key]
+        base = next((a for n, a in r["arms"].items() if "Q4_0" in n or n == "llama.cpp"), None)
+        for n, a in r["arms"].items():
+            def f(m, fmt):
+                return f"{format(a[m]['median'], fmt)} [{format(a[m]['min'], fmt)}..{format(a[m]['max'], fmt)}]"
+            ratio = (lambda m: f"{a[m]['median'] / base[m]['median']:.2f}x") if base else (lambda m: "-")
+            path = a.get("decode_path") or "?"
+            L.append(f"| {label} | {n}: {path} | {f('tg_tok_s', '.1f')} | {f('pp_tok_s', '.0f')} | "
+                     f"{a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {ratio('tg_tok_s')} | {ratio('pp_tok_s')} | "
+                     f"{a['load_s']['median']:.3f} | {a['peak_rss_mib']['median']:.0f} |")
+    return L
+
+
 def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt", out: str = "BENCHMARKS.md") -> None:
     from sparkq.cli.main import format_bench
 
@@ -68,16 +113,31 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     if Path(corpus).is_file():
         res["example_fidelity"] = sh(["sparkq", "fidelity", art, "--reference", ref, "--corpus", corpus,
                                       "--tokens", "2048", "--json"], log)
-    res["example_bench"] = sh(["sparkq", "bench", art, "--arm", f"bf16=model={ref}", "--arm", "nodeq=prefill_dequant=0",
-                               "--passes", "3", "--json"], log)
+    # the same model packed for torch's int4 kernel (minmax: speed does not depend on the method)
+    aten = w / "smollm2-135m-int4-native"
+    sh(["spark-convert", ref, aten, "--target", "native", "--method", "minmax", "--force", "--json"], log)
+    llama = llama_ggufs(w, gguf, log)
+    res["example_bench"] = sh(["sparkq", "bench", art, "--arm", f"torch-int4-kernel=model={aten}",
+                               "--arm", "nodeq=prefill_dequant=0", "--arm", "1-thread=threads=1",
+                               "--arm", "passive-wait=OMP_WAIT_POLICY=passive", "--arm", f"bf16=model={ref}",
+                               *[a for g in llama for a in ("--llama-gguf", g)], "--passes", "3", "--json"], log)
     big, big_q = w / "qwen3-1.7b-synth", w / "qwen3-1.7b-synth-int4"
     sh(["sparkq", "synth", big, "--shape", "qwen3-1.7b", "--force", "--json"], log)
     res["big_convert"] = sh(["spark-convert", big, big_q, "--force", "--json", "--method", "minmax"], log)  # random weights
+    big_aten = w / "qwen3-1.7b-synth-int4-native"
+    sh(["spark-convert", big, big_aten, "--target", "native", "--method", "minmax", "--force", "--json"], log)
+    big_llama = []
+    if have_llama():
+        gg = w / "qwen3-1.7b-synth.gguf"
+        sh(["python", "-m", "sparkq.cli.llamacpp", big, gg, "MOSTLY_Q4_0"], log, as_json=False)
+        gg.unlink()  # the F16 intermediate (3.4 GB); the Q4_0 file stays
+        big_llama = [str(w / "qwen3-1.7b-synth-MOSTLY_Q4_0.gguf")]
     res["big_memory"] = {"int4": sh(["sparkq", "memory", big_q, "--json"], log),
                          "int4, RoPE from config (bad arm)": sh(["sparkq", "memory", big_q, "--rope-len-from-config", "--json"], log),
                          "bf16 reference": sh(["sparkq", "memory", big, "--json"], log)}
-    res["big_bench"] = sh(["sparkq", "bench", big_q, "--arm", f"bf16=model={big}", "--passes", "3", "--pp", "128", "--tg", "32",
-                           "--json"], log)
+    res["big_bench"] = sh(["sparkq", "bench", big_q, "--arm", f"torch-int4-kernel=model={big_aten}",
+                           *[a for g in big_llama for a in ("--llama-gguf", g)],
+                           "--passes", "3", "--pp", "512", "--tg", "64", "--json"], log)
     hy, hy_q = w / "spark-x2.5-1.7b-synth", w / "spark-x2.5-1.7b-synth-int4"
     sh(["sparkq", "synth", hy, "--shape", "spark-x2.5-1.7b", "--force", "--json"], log)
     res["hybrid_convert"] = sh(["spark-convert", hy, hy_q, "--force", "--json", "--method", "minmax"], log)
@@ -94,7 +154,13 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
          f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['capability']}), Python {m['python']}; "
          f"commit {m['commit']}; {m['date']}. The box is shared and noisy: every speed is a median of interleaved "
          "passes with its [min..max] spread. Raw results: `BENCHMARKS.json`.", "", "## Commands run", "", "```"]
-    L += log + ["```", "", "## SmolLM2-135M-Instruct (the bundled example)", ""]
+    L += log + ["```", "", "## Speed summary: sparkq vs llama.cpp, same machine, same run", ""]
+    L += speed_table(res) + ["", "Each row is one arm of the interleaved `sparkq bench` runs below (2 threads, 3 passes, "
+                             "medians [min..max]); llama.cpp runs through llama-cpp-python in its own child process. "
+                             "control = the default rows32 artifact through the C decode core; torch-int4-kernel = the same "
+                             "model packed for torch's `_weight_int4pack_mm_for_cpu`. Decode GB/s = weight bytes read per "
+                             "token x tok/s; the ceiling is a streaming read with the same threads.", "",
+                             "## SmolLM2-135M-Instruct (the bundled example)", ""]
     c = res["example_convert"]
     L += [f"Conversion: {c['source_bytes'] / 2**20:.1f} MiB bf16 -> {c['artifact_bytes'] / 2**20:.1f} MiB, "
           f"{c['bits_per_weight']:.3f} bits/weight, layout {c['layout']}, group sizes {c['group_size_by_role']}, "

@@ -141,7 +141,9 @@ def _attach_fast(model: Model, enabled: bool) -> str:
         return "torch (C decode core unavailable)"
     model.fast = fastpath.FastDecoder(model, lib, torch.get_num_threads())
     fastpath.attach_linears(model, lib)
-    return f"c ({'avx2' if lib.sq_simd() == 2 else 'scalar'}, {torch.get_num_threads()} threads)"
+    built = sum(kernels.BUILD_SECONDS.values())
+    return (f"c ({'avx2' if lib.sq_simd() == 2 else 'scalar'}, {torch.get_num_threads()} threads"
+            + (f", compiled in {built:.1f} s" if built else "") + ")")
 
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,

@@ -106,7 +106,8 @@ def _child_sparkq(a: dict) -> dict:
     st = m.last_stats
     return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": st.decode_tok_s,
             "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024,
-            "decode_bytes_per_token": decode_bytes_per_token(m), "threads": torch.get_num_threads()}
+            "decode_bytes_per_token": decode_bytes_per_token(m), "threads": torch.get_num_threads(),
+            "decode_path": m.info.extra.get("decode_path")}
 
 
 def _procmem_without_torch():
@@ -220,6 +221,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         a["decode_gb_s"] = bpt * a["tg_tok_s"]["median"] / 1e9
         a["decode_pct_of_ceiling"] = 100 * a["decode_gb_s"] / ceiling
         a["env"] = env
+        a["decode_path"] = rs[0].get("decode_path", "llama.cpp")
         a["model"] = next(args["model"] for n, args, _ in runs if n == name)
         out_arms[name] = a
     ctrl = out_arms["control"]

@@ -105,6 +105,7 @@ def build(variant: str = "native", quiet: bool = True) -> tuple[Path, float]:
 
 _LIBS: dict[str, ctypes.CDLL] = {}
 _WARNED = False
+BUILD_SECONDS: dict[str, float] = {}  # variant -> seconds this process spent compiling (0.0: cached)
 
 
 def load(variant: str | None = None) -> ctypes.CDLL:
@@ -112,7 +113,7 @@ def load(variant: str | None = None) -> ctypes.CDLL:
     variant = variant or (env if env in ("scalar", "exact") else "native")
     if variant in _LIBS:
         return _LIBS[variant]
-    path, _ = build(variant)
+    path, BUILD_SECONDS[variant] = build(variant)
     lib = ctypes.CDLL(str(path))
     if lib.sq_abi() != ABI:
         raise KernelUnavailable(f"{path}: ABI {lib.sq_abi()} != {ABI}; delete {cache_dir()}")

@@ -55,12 +55,15 @@ class LayerCfg:
 
 
 class KVCache:
-    """Preallocated once: [layers, kv_heads, capacity, head_dim] bf16 for k and for v."""
+    """Allocated once: [layers, kv_heads, capacity, head_dim] bf16 for k and for v."""
 
     def __init__(self, spec: ModelSpec, capacity: int):
         shape = (spec.layers, spec.kv_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=torch.bfloat16)
-        self.v = torch.zeros(shape, dtype=torch.bfloat16)
+        # empty, not zeros: pages are touched only as tokens are written (zeroing 192 MiB cost
+        # 0.29 s of load and made the whole budget resident); no read ever reaches an unwritten
+        # position (attention reads [start, end) after writing up to end)
+        self.k = torch.empty(shape, dtype=torch.bfloat16)
+        self.v = torch.empty(shape, dtype=torch.bfloat16)
         self.capacity = capacity
 
     @staticmethod
