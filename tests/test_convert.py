@@ -14,7 +14,7 @@ import torch
 from helpers import make_llama, run_cli, run_py
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats import Artifact, constants as C
-from sparkq.formats.layout import ROWS32, dequantize_codes, host_layout, unpack
+from sparkq.formats.layout import ROWS32, dequantize_codes, unpack
 
 
 def test_artifact_contents_and_format(tiny_tied, tiny_tied_art):
