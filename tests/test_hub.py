@@ -27,7 +27,7 @@ def test_upload_download_roundtrip_and_card(hub, tiny_tied, tiny_tied_art, tmp_p
     p = run_cli("sparkq", "upload", art, "me/tiny-sparkq", "--json", env=hub.env)
     assert p.returncode == 0, p.stderr
     u = json.loads(p.stdout)
-    layout = ROWS32  # the default target
+    layout = ROWS32  # the default target (this host runs it: C core, or the torch fallback)
     assert u["variant"] == layout and u["variants"] == [layout]
     assert layout in u["commit_message"] and "sparkq" in u["commit_message"] and str(tiny_tied.resolve()) in u["commit_message"]
     files = hub.files("me/tiny-sparkq")
@@ -64,8 +64,9 @@ def test_upload_download_roundtrip_and_card(hub, tiny_tied, tiny_tied_art, tmp_p
 
 
 def test_second_variant_pinned_revision_and_missing_variant(hub, tiny_tied, tmp_path):
-    layout = ROWS32  # what this host prefers (the C core builds here); "other" is an aten layout it cannot run
-    other = "default" if host_layout() != "default" else "avx2"
+    from sparkq.runtime.hub import runnable_layouts
+    layout = runnable_layouts()[0]  # rows32 where the C core builds, else torch's layout for this CPU
+    other = "default" if host_layout() != "default" else "avx2"  # a torch layout this CPU cannot run
     for t in (layout, other):
         assert run_cli("spark-convert", tiny_tied, tmp_path / t, "--target", t, "--quiet").returncode == 0
     p1 = run_cli("sparkq", "upload", tmp_path / other, "me/multi", "--json", env=hub.env)
@@ -74,7 +75,8 @@ def test_second_variant_pinned_revision_and_missing_variant(hub, tiny_tied, tmp_
     # only the other layout exists: refused, listing what the repo has
     g = run_cli("sparkq", "generate", "me/multi", "abc", env=hub.env)
     assert g.returncode == 2 and other in g.stderr and f"--target {layout}" in g.stderr, g.stderr
-    p2 = run_cli("spark-convert", tiny_tied, tmp_path / "again", "--quiet", "--push-to-hub", "me/multi", "--json", env=hub.env)
+    p2 = run_cli("spark-convert", tiny_tied, tmp_path / "again", "--target", layout, "--quiet", "--push-to-hub", "me/multi",
+                 "--json", env=hub.env)
     assert p2.returncode == 0, p2.stderr
     u = json.loads(p2.stdout)["upload"]
     assert sorted(u["variants"]) == sorted([layout, other])
