@@ -243,7 +243,7 @@ def generate(
     typer.echo(f"\n[load {m.info.load_seconds:.2f} s | prefill {st.prompt_tokens} tok {st.prefill_tok_s:.1f} tok/s | "
                f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | RSS anon {rss['RssAnon']:.0f} MiB + "
                f"file {rss['RssFile']:.0f} MiB (peak {rss['VmHWM']:.0f}) | threads {torch_threads()} | "
-               f"layout {m.info.layout or 'bf16 checkpoint'}]", err=True)
+               f"layout {m.info.layout or 'bf16 checkpoint'} | decode path {m.info.extra.get('decode_path', '?')}]", err=True)
 
 
 def torch_threads() -> int:
