@@ -16,7 +16,9 @@ int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 # rows at or below this use the int4 kernel even with prefill_dequant
 KERNEL_MAX_ROWS = 256  # measured crossover on the AVX2 box (README: prefill table)
-# rows32 linears: at or below this many rows the C W4A8 kernel, above it dequantize + dense GEMM
+# rows32 linears: at or below this many rows the C W4A8 kernel, above it dequantize + dense GEMM.
+# Measured crossover (whole forward, C vs dequant+GEMM tok/s): example 32 rows 1.23x, 64 rows 0.91x;
+# Qwen3-1.7B shape 64 rows 1.28x, 96 rows 0.95x, 128 rows 1.03x, 192 rows 0.77x.
 C_MAX_ROWS = 64
 
 
