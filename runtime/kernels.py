@@ -72,7 +72,7 @@ def _compiler() -> str | None:
     return None
 
 
-def build(variant: str = "native", quiet: bool = True) -> tuple[Path, float]:
+def build(variant: str = "native") -> tuple[Path, float]:
     """Compile (or find in the cache) the library; returns (path, seconds spent compiling)."""
     cc = _compiler()
     if cc is None:
