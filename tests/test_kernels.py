@@ -181,3 +181,24 @@ def test_package_ships_the_source():
     assert shutil.which(K_._compiler()) is not None
     assert os.access(K_.SOURCE, os.R_OK)
     np.testing.assert_equal(_lib("native").sq_abi(), K_.ABI)
+
+
+def test_c_core_matches_the_aten_kernel_on_the_same_codes():
+    """The same codes packed twice: rows32 through the C core, torch's layout for this CPU
+    through `_weight_int4pack_mm_for_cpu` (the fallback, and the reference the issue names).
+    Both within the W4A8 budget of fp64, and of each other."""
+    from sparkq.formats.layout import host_layout
+
+    n, k, g = 96, 256, 128
+    L, w, _, keep = _int4(n, k, g, seed=4)
+    codes_sz = keep[1]
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)  # the codes _int4 drew (same seed)
+    assert torch.equal(keep[0], torch.from_numpy(pack_rows(codes.numpy(), ROWS32, n)))
+    aten_packed = torch.from_numpy(pack_rows(codes.numpy(), host_layout(), n)).view(n, k // 2)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x[None], aten_packed, g, codes_sz)[0].double()
+    c = _run(_lib("native"), L, x.float()).double()
+    ref = w @ x.double()
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(aten, ref) < 0.01 and rel(c, ref) < 0.02 and rel(c, aten) < 0.02, (rel(aten, ref), rel(c, ref), rel(c, aten))
