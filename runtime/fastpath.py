@@ -4,7 +4,8 @@
 into the artifact's mapping, the KV cache and the RoPE tables; no weight is copied)
 and then runs each decode step as a single call. It applies when every linear is a
 rows32 int4, an int8 or a bf16 linear; artifacts in torch's int4 layouts keep the torch
-path. Prefill always goes through torch (dense GEMMs); both paths share the bf16 KV cache.
+path. Prompts go through the torch model, whose rows32/int8 linears call the C products
+(``attach_linears``); both paths share the bf16 KV cache.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class FastDecoder:
         m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim = s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim
         m.inter, m.vocab, m.cap = s.intermediate, model.head.n, model.cache.capacity
         m.act = 0 if s.act == "silu" else 1
-        m.norm_offset, m.threads = int(bool(s.norm_offset)), threads
+        m.norm_offset = int(bool(s.norm_offset))
         m.refine_top = REFINE_TOP  # the top logits are recomputed exactly in C, as Model._refine_top does
         m.eps, m.attn_scale = s.rms_eps, model.scale
         m.embed_mult = float(model.embed_mult) if model.embed_mult is not None else 0.0
@@ -92,21 +93,17 @@ class FastDecoder:
         self.work = lib.sq_work_new(ctypes.byref(m))
         if not self.work:
             raise MemoryError("sq_work_new failed")
-        self.threads = threads
         lib.sq_set_threads(threads)
         self.x = torch.empty(s.hidden, dtype=torch.float32)
-        self.hn = torch.empty(1, s.hidden, dtype=torch.float32)
 
     def __del__(self):
         if getattr(self, "work", None):
             self.lib.sq_work_free(self.work)
             self.work = None
 
-    def step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits fp32 [1, vocab], final-normed hidden fp32 [1, hidden]) for one token."""
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        """Logits fp32 [1, vocab] for one token (the top REFINE_TOP recomputed exactly)."""
         logits = torch.empty(1, self.m.vocab, dtype=torch.float32)
-        rc = self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.data_ptr(),
-                              logits.data_ptr(), self.hn.data_ptr())
-        if rc:
+        if self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.data_ptr(), logits.data_ptr()):
             raise IndexError(f"position {pos} is outside the KV cache ({self.m.cap})")
-        return logits, self.hn
+        return logits

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "sq_decode.c"
-ABI = 2
+ABI = 3
 
 
 class KernelUnavailable(RuntimeError):
@@ -45,7 +45,7 @@ class SqLayer(ctypes.Structure):
 
 class SqModel(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                                              "vocab", "cap", "act", "norm_offset", "threads", "refine_top")] + [
+                                              "vocab", "cap", "act", "norm_offset", "refine_top")] + [
         (n, ctypes.c_double) for n in ("eps", "attn_scale", "embed_mult")] + [
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", ctypes.c_void_p)]
 
@@ -121,7 +121,7 @@ def load(variant: str | None = None) -> ctypes.CDLL:
     lib.sq_work_new.argtypes = [ctypes.POINTER(SqModel)]
     lib.sq_work_free.argtypes = [ctypes.c_void_p]
     lib.sq_step.argtypes = [ctypes.POINTER(SqModel), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                            ctypes.c_void_p, ctypes.c_void_p]
     lib.sq_linear_f32.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_void_p, ctypes.c_void_p]
     lib.sq_set_threads.argtypes = [ctypes.c_int]
     lib.sq_dequant_rows.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]

@@ -175,7 +175,7 @@ class Model:
         if self.fast is not None and ids.numel() == 1:
             if pos0 >= self.cache.capacity:
                 raise RuntimeUserError(f"position {pos0} is beyond the KV cache ({self.cache.capacity} tokens)")
-            logits, _ = self.fast.step(int(ids[0]), pos0)  # top REFINE_TOP logits already exact (C)
+            logits = self.fast.step(int(ids[0]), pos0)  # top REFINE_TOP logits already exact (C)
             return torch.tanh(logits / s.final_softcap) * s.final_softcap if s.final_softcap else logits
         x = self.embedding.embed(ids)
         if self.embed_mult is not None:

@@ -8,10 +8,7 @@ same weights below 0.01 (test_runtime.py), logits within 2.5x of bf16 compute's 
 (test_families.py).
 """
 import ctypes
-import os
-import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -178,9 +175,7 @@ print(json.dumps({{"path": m.info.extra["decode_path"], "ids": out}}))
 
 def test_package_ships_the_source():
     assert K_.SOURCE.exists() and K_.SOURCE.suffix == ".c"
-    assert shutil.which(K_._compiler()) is not None
-    assert os.access(K_.SOURCE, os.R_OK)
-    np.testing.assert_equal(_lib("native").sq_abi(), K_.ABI)
+    assert _lib("native").sq_abi() == K_.ABI
 
 
 def test_c_core_matches_the_aten_kernel_on_the_same_codes():

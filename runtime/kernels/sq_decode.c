@@ -34,7 +34,7 @@
 #include <immintrin.h>
 #endif
 
-#define SQ_ABI 2
+#define SQ_ABI 3
 
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2 };
 
@@ -55,7 +55,7 @@ typedef struct {
 } sq_layer;
 
 typedef struct {
-    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, cap, act, norm_offset, threads, refine_top;
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, cap, act, norm_offset, refine_top;
     double eps, attn_scale, embed_mult; /* embed_mult 0 = off */
     sq_layer *layer;
     sq_linear head, embed;
@@ -295,45 +295,53 @@ static void rows_int8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r
 
 #endif
 
-static void rows_bf16(const sq_linear *L, const float *x, float *y, int64_t r0, int64_t r1) {
-    const int64_t K = L->k;
-    const uint16_t *W = (const uint16_t *)L->q;
-    for (int64_t n = r0; n < r1; n++) {
-        const uint16_t *w = W + n * K;
-        float acc = 0.f;
-        int64_t j = 0;
+/* sum_j bf16(w[j]) * x[j] (bf16 weights, KV cache rows) */
+static inline float dot_bf16(const uint16_t *w, const float *x, int64_t K) {
+    float acc = 0.f;
+    int64_t j = 0;
 #ifdef SQ_AVX2
-        __m256 v = _mm256_setzero_ps();
-        for (; j + 8 <= K; j += 8) {
-            __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + j))), 16);
-            v = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(x + j), v);
-        }
-        acc = hsum8(v);
-#endif
-        for (; j < K; j++) acc += bf(w[j]) * x[j];
-        y[n] = acc;
+    __m256 v = _mm256_setzero_ps();
+    for (; j + 8 <= K; j += 8) {
+        __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + j))), 16);
+        v = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(x + j), v);
     }
+    acc = hsum8(v);
+#endif
+    for (; j < K; j++) acc += bf(w[j]) * x[j];
+    return acc;
+}
+
+static void rows_bf16(const sq_linear *L, const float *x, float *y, int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; n++) y[n] = dot_bf16((const uint16_t *)L->q + n * L->k, x, L->k);
+}
+
+/* Row n of L times fp32 x in double, from the stored weights (no A8): the top-k refinement
+ * and the SQ_EXACT reference build. */
+static double exact_row_dot(const sq_linear *L, int64_t n, const float *x) {
+    const int64_t K = L->k;
+    double acc = 0.0;
+    if (L->kind == KIND_INT4) {
+        const uint8_t *w = L->q + n * (K / 2);
+        for (int64_t k = 0; k < K; k++) {
+            uint8_t byte = w[(k / 32) * 16 + (k % 16)];
+            int q = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
+            const uint16_t *p = L->sz + 2 * ((k / L->g) * L->n + n);
+            acc += (double)((q - 8.f) * bf(p[0]) + bf(p[1])) * x[k];
+        }
+    } else if (L->kind == KIND_INT8) {
+        const int8_t *w = (const int8_t *)L->q + n * K;
+        const float s = bf(L->sz[n]);
+        for (int64_t k = 0; k < K; k++) acc += (double)(w[k] * s) * x[k];
+    } else {
+        const uint16_t *w = (const uint16_t *)L->q + n * K;
+        for (int64_t k = 0; k < K; k++) acc += (double)bf(w[k]) * x[k];
+    }
+    return acc;
 }
 
 #ifdef SQ_EXACT /* reference build: fp32 activations, no A8 (tests measure the A8 error against it) */
 static void rows_exact(const sq_linear *L, const float *x, float *y, int64_t r0, int64_t r1) {
-    const int64_t K = L->k, N = L->n;
-    for (int64_t n = r0; n < r1; n++) {
-        double acc = 0.0;
-        for (int64_t k = 0; k < K; k++) {
-            float w;
-            if (L->kind == KIND_INT4) {
-                uint8_t byte = L->q[n * (K / 2) + (k / 32) * 16 + (k % 16)];
-                int q = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
-                const uint16_t *p = L->sz + 2 * ((k / L->g) * N + n);
-                w = (q - 8.f) * bf(p[0]) + bf(p[1]);
-            } else {
-                w = ((const int8_t *)L->q)[n * K + k] * bf(L->sz[n]);
-            }
-            acc += (double)w * x[k];
-        }
-        y[n] = (float)acc;
-    }
+    for (int64_t n = r0; n < r1; n++) y[n] = (float)exact_row_dot(L, n, x);
 }
 #endif
 
@@ -600,19 +608,7 @@ static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t 
         const uint16_t *K = L->kcache + (h / grp) * cap * D, *V = L->vcache + (h / grp) * cap * D;
         float *sc = w->scores + h * cap, mx = -INFINITY;
         for (int64_t t = start; t < end; t++) {
-            const uint16_t *kr = K + t * D;
-            float d = 0.f;
-            int64_t j = 0;
-#ifdef SQ_AVX2
-            __m256 v = _mm256_setzero_ps();
-            for (; j + 8 <= D; j += 8) {
-                __m256i ki = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(kr + j))), 16);
-                v = _mm256_fmadd_ps(_mm256_castsi256_ps(ki), _mm256_loadu_ps(q + j), v);
-            }
-            d = hsum8(v);
-#endif
-            for (; j < D; j++) d += q[j] * bf(kr[j]);
-            d *= scale;
+            const float d = dot_bf16(K + t * D, q, D) * scale;
             sc[t] = d;
             mx = d > mx ? d : mx;
         }
@@ -645,14 +641,6 @@ int sq_simd(void) {
     return 2;
 #else
     return 0;
-#endif
-}
-
-int sq_max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
 #endif
 }
 
@@ -712,34 +700,12 @@ static void refine_top(const sq_linear *H, const float *x, float *logits, int64_
         val[j] = v;
         idx[j] = i;
     }
-    const int64_t K = H->k;
-    for (int c = 0; c < cnt; c++) {
-        const int64_t n = idx[c];
-        double acc = 0.0;
-        if (H->kind == KIND_INT4) {
-            const uint8_t *w = H->q + n * (K / 2);
-            for (int64_t kk = 0; kk < K; kk++) {
-                uint8_t byte = w[(kk / 32) * 16 + (kk % 16)];
-                int q = (kk % 32) < 16 ? (byte & 15) : (byte >> 4);
-                const uint16_t *p = H->sz + 2 * ((kk / H->g) * H->n + n);
-                acc += (double)((q - 8.f) * bf(p[0]) + bf(p[1])) * x[kk];
-            }
-        } else if (H->kind == KIND_INT8) {
-            const int8_t *w = (const int8_t *)H->q + n * K;
-            const float s = bf(H->sz[n]);
-            for (int64_t kk = 0; kk < K; kk++) acc += (double)(w[kk] * s) * x[kk];
-        } else {
-            const uint16_t *w = (const uint16_t *)H->q + n * K;
-            for (int64_t kk = 0; kk < K; kk++) acc += (double)bf(w[kk]) * x[kk];
-        }
-        logits[n] = (float)acc;
-    }
+    for (int c = 0; c < cnt; c++) logits[idx[c]] = (float)exact_row_dot(H, idx[c], x);
 }
 
-/* One decode step: token at position pos -> logits fp32 [vocab]. x is fp32 [hidden] scratch;
- * hn (optional, fp32 [hidden]) receives the final-normed hidden state.
+/* One decode step: token at position pos -> logits fp32 [vocab]. x is fp32 [hidden] scratch.
  * Returns 0, or -1 if pos is outside the cache. */
-int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x, float *logits, float *hn) {
+int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x, float *logits) {
     sq_work *w = work;
     if (pos < 0 || pos >= m->cap) return -1;
     const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
@@ -806,7 +772,6 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
 #pragma omp single
         {
             rms_norm(x, m->final_norm, E, m->eps, off, w->xn);
-            if (hn) memcpy(hn, w->xn, sizeof(float) * E);
             prep(&m->head, w->xn, &w->a);
         }
         products(&m->head, &w->a, logits); /* a final softcap, if any, is applied by the caller */
