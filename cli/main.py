@@ -86,10 +86,10 @@ def convert(
     group_size: int = typer.Option(128, "--group-size", help="int4 group size along K (32, 64, 128, 256)"),
     target: str = typer.Option("rows32", "--target", help="packed layout: rows32 (default: any CPU, read by the C decode core) or native|avx512|avx2|default (torch's int4 kernel on that ISA)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe TOML overriding the built-in one"),
-    method: str = typer.Option("auto", "--method", help="auto (gptq with --calib, else clip) | minmax (fastest) | "
-                               "clip (calibration-free range search) | gptq (calibrated: needs --calib)"),
-    calib: Optional[str] = typer.Option(None, "--calib", help="calibration text file for --method gptq (its second "
-                                        "half is used; e.g. ../shared/corpus/wikitext2-valid.txt)"),
+    method: str = typer.Option("auto", "--method", help="auto (gptq when the source has a tokenizer, else clip) | "
+                               "minmax (fastest) | clip (calibration-free range search, fast) | gptq (calibrated)"),
+    calib: Optional[str] = typer.Option(None, "--calib", help="calibration text file for gptq (its second half is used; "
+                                        "default: the bundled text, convert/data/calibration.txt)"),
     calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (windows of 512)"),
     head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | int8 | bf16 (default: recipe)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),

@@ -5,7 +5,8 @@
 For the bundled example (SmolLM2-135M-Instruct): converts the bf16 checkpoint with each
 sparkq method (minmax, clip, gptq; int4 or int8 head) and measures each artifact with
 ``sparkq fidelity``'s code against the bf16 reference on held-out text (the corpus's first
-tokens; gptq calibrates on its second half). When llama-cpp-python is installed, the
+tokens; gptq calibrates on the bundled text, or with --calib on the corpus's
+second half). When llama-cpp-python is installed, the
 example GGUF is requantized with llama.cpp's own quantizer (F32, Q4_0, Q4_K_M) and those
 builds' logits are measured on the *same token ids* with the same metrics. The F32 row
 checks the harness: it should sit near zero KL.
@@ -30,13 +31,14 @@ CAVEAT = ("the example's bf16 weights are a dequantized Q4_1 file (g32 asymmetri
           "grid would recover them almost exactly and flatter any g32 build; sparkq rows use the group sizes "
           "listed (g64 where K=576, g128 for down), which do not align with the source's grid")
 
-BUILDS = [  # name, spark-convert arguments (calibrated ones get --calib); the recipes' default head is int8
+BUILDS = [  # name, spark-convert arguments ("CORPUS" becomes --corpus: in-domain calibration on its second half)
     ("minmax", ["--method", "minmax", "--head", "int4"]),
     ("minmax + int8 head", ["--method", "minmax", "--head", "int8"]),
     ("clip", ["--method", "clip", "--head", "int4"]),
-    ("clip + int8 head (default without --calib)", ["--method", "clip", "--head", "int8"]),
-    ("gptq", ["--method", "gptq", "--head", "int4"]),
-    ("gptq + int8 head (default with --calib)", ["--method", "gptq", "--head", "int8"]),
+    ("clip + int8 head (calibration-free)", ["--method", "clip", "--head", "int8"]),
+    ("gptq, bundled text", ["--method", "gptq", "--head", "int4"]),
+    ("**default** (gptq on the bundled text + int8 head)", []),
+    ("gptq + int8 head, --calib corpus (in-domain)", ["--method", "gptq", "--head", "int8", "--calib", "CORPUS"]),
 ]
 LLAMA_BUILDS = [("llama.cpp F32 (harness check)", "ALL_F32"), ("llama.cpp Q4_0", "MOSTLY_Q4_0"),
                 ("llama.cpp Q4_K_M", "MOSTLY_Q4_K_M")]
@@ -139,11 +141,12 @@ def main() -> None:
 
     rows = []
     for name, args in BUILDS:
-        out = w / ("quality-" + "-".join(args[1::2]))
-        calib = ["--calib", a.corpus] if "gptq" in args else []
-        s = run(["spark-convert", str(ref_dir), str(out), "--force", "--json", *args, *calib])
+        args = [a.corpus if x == "CORPUS" else x for x in args]
+        out = w / ("quality-" + ("-".join(x for x in args[1::2] if "/" not in x) + ("-corpus" if a.corpus in args else "")
+                                 or "default"))
+        s = run(["spark-convert", str(ref_dir), str(out), "--force", "--json", *args])
         art = load(str(out), max_model_len=a.window + 96, kv_budget_mib=64, threads=a.threads)
-        rows.append(measure(name, art, {"command": "spark-convert REF OUT " + " ".join(args + calib),
+        rows.append(measure(name, art, {"command": "spark-convert REF OUT " + " ".join(args),
                                         "bits_per_weight": s["bits_per_weight"], "convert_seconds": s["seconds"],
                                         "group_size_by_role": s["group_size_by_role"]}))
         del art

@@ -28,32 +28,50 @@ from .errors import ConvertError
 SEQ_LEN = 512
 
 
-def calibration_ids(source, text_path: str, tokens: int, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, dict]:
-    """Token windows [S, seq_len] from the *second half* of the text file (so the first half,
-    where ``sparkq fidelity`` reads by default, stays held out) and a record of what was used."""
+# The default calibration text, written for sparkq (Apache-2.0 like the rest of the project;
+# no third-party text): ~34 KB of varied English -- encyclopedic paragraphs, fiction and
+# dialogue, chat turns, instructions, code, numbers, letters, a few lines in other scripts.
+# About 8,300 tokens with SmolLM2's tokenizer. It is not drawn from the corpus that
+# ``sparkq fidelity`` reads, so default conversions are measured on text they never saw.
+BUNDLED = Path(__file__).parent / "data" / "calibration.txt"
+
+
+def source_tokenizer(source):
+    """The source's tokenizer (tokenizers.Tokenizer), or None when it ships no tokenizer.json."""
     from tokenizers import Tokenizer
 
-    p = Path(text_path)
+    if "tokenizer.json" in source.extra_files:
+        return Tokenizer.from_str(source.extra_files["tokenizer.json"].decode())
+    if source.directory is not None and (source.directory / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(source.directory / "tokenizer.json"))
+    return None
+
+
+def calibration_ids(source, text_path: str | None, tokens: int, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, dict]:
+    """Token windows [S, seq_len] and a record of what was used. A given file is read from
+    its *second half* (so the first half, where ``sparkq fidelity`` reads by default, stays
+    held out); ``text_path=None`` takes the bundled text whole, as many full windows as it
+    gives up to ``tokens`` (the count depends on the model's tokenizer)."""
+    p = BUNDLED if text_path is None else Path(text_path)
     if not p.is_file():
         raise ConvertError(f"calibration text {text_path}: no such file; pass --calib FILE (any UTF-8 text)")
-    if "tokenizer.json" in source.extra_files:
-        tok = Tokenizer.from_str(source.extra_files["tokenizer.json"].decode())
-    elif source.directory is not None and (source.directory / "tokenizer.json").is_file():
-        tok = Tokenizer.from_file(str(source.directory / "tokenizer.json"))
-    else:
+    tok = source_tokenizer(source)
+    if tok is None:
         raise ConvertError("the source has no tokenizer.json, so calibration text cannot be tokenized; "
                            "use --method clip or add tokenizer.json to the checkpoint")
     raw = p.read_bytes()
     text = raw.decode("utf-8", errors="replace")
-    start = len(text) // 2
+    start = 0 if text_path is None else len(text) // 2
     seqs = max(1, math.ceil(tokens / seq_len))
     ids = tok.encode(text[start:start + seqs * seq_len * 12], add_special_tokens=False).ids
+    if text_path is None:
+        seqs = max(1, min(seqs, len(ids) // seq_len))
     if len(ids) < seqs * seq_len:
-        raise ConvertError(f"calibration text {text_path} gives only {len(ids)} tokens from its second half; "
+        raise ConvertError(f"calibration text {p} gives only {len(ids)} tokens from its second half; "
                            f"need {seqs * seq_len}: lower --calib-tokens or pass a longer file")
     ids = torch.tensor(ids[: seqs * seq_len]).view(seqs, seq_len)
-    info = {"file": p.name, "sha256": hashlib.sha256(raw).hexdigest(), "start_char": start,
-            "sequences": seqs, "seq_len": seq_len, "tokens": seqs * seq_len}
+    info = {"file": p.name + (" (bundled)" if text_path is None else ""), "sha256": hashlib.sha256(raw).hexdigest(),
+            "start_char": start, "sequences": seqs, "seq_len": seq_len, "tokens": seqs * seq_len}
     return ids, info
 
 

@@ -43,11 +43,11 @@ class Options:
     group_size: int = 128
     target: str = "rows32"
     recipe: str | None = None
-    method: str = "auto"  # auto: gptq when calibration text is given (--calib), else clip
+    method: str = "auto"  # auto: gptq when the source has a tokenizer (calibration text to read), else clip
     force: bool = False
     progress: bool = True
     head: str | None = None  # None: the recipe decides; int4 | int8 | bf16 for lm_head and embed
-    calib: str | None = None  # calibration text for --method gptq
+    calib: str | None = None  # calibration text for gptq; None: the bundled text (convert/data/calibration.txt)
     calib_tokens: int = 8192
 
 
@@ -227,18 +227,22 @@ def _carry_files(source: Source, tmp: Path) -> list[str]:
     return sorted(carried)
 
 
-def resolve_method(opts: Options) -> Options:
+def resolve_method(opts: Options, source) -> Options:
+    """auto: gptq (calibrated on --calib or the bundled text) when the source's tokenizer can
+    read calibration text, else the calibration-free clip search."""
     if opts.method != "auto":
         return opts
-    return replace(opts, method="gptq" if opts.calib else "clip")
+    from .calib import source_tokenizer
+
+    return replace(opts, method="gptq" if opts.calib or source_tokenizer(source) is not None else "clip")
 
 
 def convert(src: str, out: str, opts: Options) -> dict:
     t0 = time.perf_counter()
-    opts = resolve_method(opts)
     with RssSampler() as mem:
         source = open_source(src)
         try:
+            opts = resolve_method(opts, source)
             layout = _target_layout(opts.target)
             recipe, spec, linears, vectors, srcs = plan(source, opts)
             for lin in linears:
@@ -257,9 +261,6 @@ def convert(src: str, out: str, opts: Options) -> dict:
             if opts.method in CALIBRATED:
                 from .calib import Calibration, calibration_ids
 
-                if not opts.calib:
-                    raise ConvertError(f"--method {opts.method} needs calibration text: pass --calib FILE "
-                                       "(e.g. ../shared/corpus/wikitext2-valid.txt)")
                 if opts.calib_tokens < 1:
                     raise ConvertError("--calib-tokens must be >= 1")
                 ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)

@@ -1,11 +1,14 @@
 """Quantization methods (issue 7): GPTQ math, the calibration forward against transformers,
 method selection and its errors, and calibrated conversion end to end."""
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import make_llama, run_cli
+from sparkq.convert.calib import BUNDLED
 from sparkq.convert.errors import ConvertError
 from sparkq.convert.pipeline import Options, convert
 from sparkq.convert.quantize import gptq_factor, gptq_rows, quantize_rows
@@ -125,10 +128,17 @@ def test_gptq_conversion_end_to_end(tiny_tied, tmp_path):
 
 
 def test_method_defaults_and_errors(tiny_tied, tmp_path):
-    s = convert(str(tiny_tied), str(tmp_path / "a"), Options(progress=False))
-    assert s["method"] == "clip" and s["calibration"] is None  # auto without calibration text
-    with pytest.raises(ConvertError, match="needs calibration text: pass --calib"):
-        convert(str(tiny_tied), str(tmp_path / "b"), Options(progress=False, method="gptq"))
+    s = convert(str(tiny_tied), str(tmp_path / "a"), Options(progress=False, calib_tokens=1024))
+    c = s["calibration"]  # auto with a tokenizer: gptq on the bundled text, whole (from char 0)
+    assert s["method"] == "gptq" and c["file"] == "calibration.txt (bundled)" and c["start_char"] == 0
+    assert c["tokens"] == 1024 and c["sha256"] == hashlib.sha256(BUNDLED.read_bytes()).hexdigest()
+    # the bundled text is not wikitext: no line of it appears in the held-out corpus
+    corpus = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "wikitext2-valid.txt"
+    if corpus.is_file():
+        held = corpus.read_text()
+        assert not [ln for ln in BUNDLED.read_text().splitlines() if len(ln) > 40 and ln in held]
+    s = convert(str(tiny_tied), str(tmp_path / "a2"), Options(progress=False, method="clip"))
+    assert s["method"] == "clip" and s["calibration"] is None
     with pytest.raises(ConvertError, match="no such file"):
         convert(str(tiny_tied), str(tmp_path / "b"), Options(progress=False, calib=str(tmp_path / "nope.txt")))
     short = tmp_path / "short.txt"
@@ -136,7 +146,7 @@ def test_method_defaults_and_errors(tiny_tied, tmp_path):
     with pytest.raises(ConvertError, match="lower --calib-tokens"):
         convert(str(tiny_tied), str(tmp_path / "b"), Options(progress=False, calib=str(short)))
     assert not (tmp_path / "b").exists()
-    r = run_cli("spark-convert", tiny_tied, tmp_path / "c", "--method", "gptq")
+    r = run_cli("spark-convert", tiny_tied, tmp_path / "c", "--calib", tmp_path / "nope.txt")
     assert r.returncode == 2 and "--calib" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run_cli("spark-convert", tiny_tied, tmp_path / "c", "--method", "awq")
     assert r.returncode == 2 and "unknown --method" in r.stderr
@@ -148,5 +158,7 @@ def test_no_tokenizer_for_calibration(tmp_path):
     calib = _calib_text(tmp_path / "c.txt")
     with pytest.raises(ConvertError, match="no tokenizer.json"):
         convert(str(src), str(tmp_path / "o"), Options(progress=False, calib=str(calib)))
+    with pytest.raises(ConvertError, match="no tokenizer.json"):  # gptq asked for, bundled text unreadable
+        convert(str(src), str(tmp_path / "o"), Options(progress=False, method="gptq"))
     s = convert(str(src), str(tmp_path / "o"), Options(progress=False))
     assert json.loads((tmp_path / "o" / "sparkq.json").read_text())["method"] == s["method"] == "clip"
