@@ -271,7 +271,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                 ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
                 if opts.progress:
                     tqdm.write(f"spark-convert: {opts.method}, calibrated on {cal_info['tokens']} tokens of {cal_info['file']} "
-                               "(--method clip: calibration-free and faster)", file=sys.stderr)
+                               "(--method clip: no calibration; --method minmax: fastest)", file=sys.stderr)
                 tc = time.perf_counter()
                 cal = Calibration(source, spec, srcs, ids)
                 cal_s += time.perf_counter() - tc
