@@ -57,6 +57,10 @@ def _measured_tables(m: dict) -> list[str]:
     return lines
 
 
+def _calibration(c: dict | None) -> str:
+    return f", calibrated on {c.get('tokens')} tokens of {c.get('file')}" if isinstance(c, dict) else ""
+
+
 def model_card(art: Artifact, repo_id: str, variants: list[str], base_model: str | None = None):
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -80,7 +84,7 @@ def model_card(art: Artifact, repo_id: str, variants: list[str], base_model: str
         f"| bits per weight | {s['bits_per_weight']:.3f} overall, {s['bits_per_weight_linears']:.3f} quantized linears |",
         f"| weights file | {s['weights_file_bytes'] / 2**20:.1f} MiB |",
         f"| tied embedding | {'stored once' if s['tied_embeddings'] else 'no'} |",
-        f"| method | {s['method']} |",
+        f"| method | {s['method']}{_calibration(art.manifest.get('calibration'))} |",
         f"| converter | sparkq {art.manifest.get('converter', {}).get('version')} (format {s['format_version']}) |", "",
     ]
     tables = _measured_tables(_measured(art.path))

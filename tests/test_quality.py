@@ -117,6 +117,8 @@ def test_gptq_conversion_end_to_end(tiny_tied, tmp_path):
     assert art.manifest["method"] == "gptq" and art.manifest["calibration"]["sha256"] == c["sha256"]
     assert art.linears["lm_head"].kind == "int8"  # the recipes' default head
     art.verify()
+    from sparkq.convert.publish import model_card
+    assert "| method | gptq, calibrated on 1024 tokens of calib.txt |" in model_card(art, "me/g", ["rows32"]).text
     # held-out text (the first half): the calibrated artifact is closer to the bf16 model than minmax
     mm = tmp_path / "m"
     convert(str(tiny_tied), str(mm), Options(progress=False, method="minmax"))
