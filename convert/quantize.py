@@ -113,22 +113,28 @@ def quantize_int8_rows(w: torch.Tensor):
 def gptq_factor(h: torch.Tensor, damp: float = GPTQ_DAMP):
     """H (float32 [K, K], sum of x x^T over calibration tokens) -> (upper Cholesky factor of
     (H + damp*mean(diag) I)^-1 in act order, the order (columns by descending diag H), and the
-    mask of dead input columns that never fired)."""
-    h = h.to(torch.float64).clone()
+    mask of dead input columns that never fired). At most two float64 [K, K] live at once
+    (K = 6144: 288 MiB each)."""
+    h = h.to(torch.float64)
     dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1.0
-    perm = torch.argsort(torch.diagonal(h), descending=True)
-    h = h[perm][:, perm]
-    d = torch.arange(h.shape[0])
-    mean = torch.diagonal(h).mean()
+    perm = torch.argsort(torch.where(dead, 1.0, torch.diagonal(h)), descending=True)
+    h = h[perm]  # copies, one at a time: the caller's H is left as it was
+    h = h[:, perm]
+    h[dead[perm], dead[perm]] = 1.0
+    diag = torch.diagonal(h)  # a view: the damping goes in place
+    mean = diag.mean()
+    added = 0.0
     for extra in (damp, 0.1, 1.0):  # escalate the damping if H is numerically singular
+        diag += (extra - added) * mean
+        added = extra
         try:
-            hh = h.clone()
-            hh[d, d] += extra * mean
-            hinv = torch.cholesky_inverse(torch.linalg.cholesky(hh))
-            return torch.linalg.cholesky(hinv, upper=True).to(torch.float32), perm, dead
+            low = torch.linalg.cholesky(h)
         except RuntimeError:
             continue
+        del h, diag
+        hinv = torch.cholesky_inverse(low)
+        del low
+        return torch.linalg.cholesky(hinv, upper=True).to(torch.float32), perm, dead
     raise ValueError("calibration Hessian is not positive definite even with damping")
 
 
