@@ -87,7 +87,7 @@ def convert(
     target: str = typer.Option("rows32", "--target", help="packed layout: rows32 (default: any CPU, read by the C decode core) or native|avx512|avx2|default (torch's int4 kernel on that ISA)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe TOML overriding the built-in one"),
     method: str = typer.Option("auto", "--method", help="auto (gptq when the source has a tokenizer, else clip) | "
-                               "minmax (fastest) | clip (calibration-free range search, fast) | gptq (calibrated)"),
+                               "minmax (fastest) | clip (calibration-free range search) | gptq (calibrated)"),
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration text file for gptq (its second half is used; "
                                         "default: the bundled text, convert/data/calibration.txt)"),
     calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (windows of 512)"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -142,8 +143,7 @@ def main() -> None:
     rows = []
     for name, args in BUILDS:
         args = [a.corpus if x == "CORPUS" else x for x in args]
-        out = w / ("quality-" + ("-".join(x for x in args[1::2] if "/" not in x) + ("-corpus" if a.corpus in args else "")
-                                 or "default"))
+        out = w / ("quality-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"))
         s = run(["spark-convert", str(ref_dir), str(out), "--force", "--json", *args])
         art = load(str(out), max_model_len=a.window + 96, kv_budget_mib=64, threads=a.threads)
         rows.append(measure(name, art, {"command": "spark-convert REF OUT " + " ".join(args),

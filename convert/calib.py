@@ -36,13 +36,19 @@ SEQ_LEN = 512
 BUNDLED = Path(__file__).parent / "data" / "calibration.txt"
 
 
+def has_tokenizer(source) -> bool:
+    """Whether the source ships a tokenizer.json (checked without parsing it)."""
+    return "tokenizer.json" in source.extra_files or (
+        source.directory is not None and (source.directory / "tokenizer.json").is_file())
+
+
 def source_tokenizer(source):
     """The source's tokenizer (tokenizers.Tokenizer), or None when it ships no tokenizer.json."""
     from tokenizers import Tokenizer
 
     if "tokenizer.json" in source.extra_files:
         return Tokenizer.from_str(source.extra_files["tokenizer.json"].decode())
-    if source.directory is not None and (source.directory / "tokenizer.json").is_file():
+    if has_tokenizer(source):
         return Tokenizer.from_file(str(source.directory / "tokenizer.json"))
     return None
 
@@ -54,7 +60,7 @@ def calibration_ids(source, text_path: str | None, tokens: int, seq_len: int = S
     gives up to ``tokens`` (the count depends on the model's tokenizer)."""
     p = BUNDLED if text_path is None else Path(text_path)
     if not p.is_file():
-        raise ConvertError(f"calibration text {text_path}: no such file; pass --calib FILE (any UTF-8 text)")
+        raise ConvertError(f"calibration text {p}: no such file; pass --calib FILE (any UTF-8 text)")
     tok = source_tokenizer(source)
     if tok is None:
         raise ConvertError("the source has no tokenizer.json, so calibration text cannot be tokenized; "

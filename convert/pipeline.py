@@ -237,9 +237,9 @@ def resolve_method(opts: Options, source) -> Options:
     read calibration text, else the calibration-free clip search."""
     if opts.method != "auto":
         return opts
-    from .calib import source_tokenizer
+    from .calib import has_tokenizer
 
-    return replace(opts, method="gptq" if opts.calib or source_tokenizer(source) is not None else "clip")
+    return replace(opts, method="gptq" if opts.calib or has_tokenizer(source) else "clip")
 
 
 def convert(src: str, out: str, opts: Options) -> dict:
