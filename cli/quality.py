@@ -1,6 +1,6 @@
 """Quality table: every quantization method against llama.cpp, same tokens: ``make quality``.
 
-    python -m sparkq.cli.quality [--work work] [--corpus ../shared/corpus/wikitext2-valid.txt]
+    python -m sparkq.cli.quality [--work work] [--corpus ../shared/corpus/wikitext2-valid.txt] [--set mixed]
 
 For the bundled example (SmolLM2-135M-Instruct): converts the bf16 checkpoint with each
 sparkq method (minmax, clip, gptq; int4 or int8 head) and measures each artifact with
@@ -13,7 +13,8 @@ checks the harness: it should sit near zero KL.
 
 Caveat printed with the table: the example's "bf16" weights are a dequantized Q4_1 (g32)
 file, so a g32 grid recovers them almost exactly; every sparkq row states its group sizes.
-Writes QUALITY.md and QUALITY.json into --work (a benchmark, run by hand, not a test).
+Writes QUALITY.md and QUALITY.json into --work (a benchmark, run by hand, not a test);
+``--set mixed`` measures the mixed-precision recipes instead (QUALITY-mixed.md/json).
 """
 from __future__ import annotations
 
@@ -41,8 +42,32 @@ BUILDS = [  # name, spark-convert arguments ("CORPUS" becomes --corpus: in-domai
     ("**default** (gptq on the bundled text + int8 head)", []),
     ("gptq + int8 head, --calib corpus (in-domain)", ["--method", "gptq", "--head", "int8", "--calib", "CORPUS"]),
 ]
+# Mixed precision at the role level (`--set mixed`): recipes derived from the built-in llama
+# recipe with these [quant] settings, all gptq on the bundled text with an int4 head. The last two
+# are probes (an int8 body is far beyond 5 bits/weight): they show what the int4 body costs.
+BODY = ["qkv", "o", "gate_up", "down"]
+MIXED = [
+    ("gptq, head int4 g32 (head_group_size = 32)", {"keep_int8": [], "head_group_size": 32}),
+    ("gptq, down int8, head int4", {"keep_int8": ["down"]}),
+    ("probe: body int8, head int4", {"keep_int8": BODY}),
+    ("probe: body int8, head int4 g32", {"keep_int8": BODY, "head_group_size": 32}),
+]
 LLAMA_BUILDS = [("llama.cpp F32 (harness check)", "ALL_F32"), ("llama.cpp Q4_0", "MOSTLY_Q4_0"),
                 ("llama.cpp Q4_K_M", "MOSTLY_Q4_K_M")]
+
+
+def mixed_recipe(path: Path, quant: dict) -> Path:
+    """The built-in llama recipe with its keep_int8 (and head_group_size) replaced."""
+    from importlib import resources
+
+    text = (resources.files("sparkq.recipes") / "llama.toml").read_text()
+    line = "keep_int8 = " + json.dumps(quant["keep_int8"])
+    if "head_group_size" in quant:
+        line += f"\nhead_group_size = {quant['head_group_size']}"
+    text, n = re.subn(r"(?m)^keep_int8 = .*$", line, text)
+    assert n == 1, "recipes/llama.toml has no keep_int8 line"
+    path.write_text(text)
+    return path
 
 
 def run(cmd: list[str]) -> dict:
@@ -113,6 +138,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--set", choices=["default", "mixed", "all"], default="default",
+                    help="sparkq builds: the methods (default), the mixed-precision recipes (mixed), or both")
     a = ap.parse_args()
     from importlib.metadata import distribution
 
@@ -141,7 +168,13 @@ def main() -> None:
         return r
 
     rows = []
-    for name, args in BUILDS:
+    builds = BUILDS if a.set != "mixed" else []
+    if a.set != "default":
+        for name, quant in MIXED:
+            slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+            recipe = mixed_recipe(w / f"quality-{slug}.toml", quant)
+            builds = builds + [(name, ["--method", "gptq", "--head", "int4", "--recipe", str(recipe)])]
+    for name, args in builds:
         args = [a.corpus if x == "CORPUS" else x for x in args]
         out = w / ("quality-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"))
         s = run(["spark-convert", str(ref_dir), str(out), "--force", "--json", *args])
@@ -168,7 +201,8 @@ def main() -> None:
                                           "convert_seconds": time.perf_counter() - t0}))
             del m
     res = {"corpus": a.corpus, "tokens": a.tokens, "window": a.window, "caveat": CAVEAT, "rows": rows}
-    (w / "QUALITY.json").write_text(json.dumps(res, indent=1))
+    stem = "QUALITY" if a.set == "default" else f"QUALITY-{a.set}"
+    (w / f"{stem}.json").write_text(json.dumps(res, indent=1))
     md = ["| build | mean KL | p99 KL | top-1 | greedy identical | bits/weight (file) | convert s |",
           "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -178,7 +212,7 @@ def main() -> None:
     md += ["", f"{a.tokens} held-out tokens ({a.corpus}, from its start) in windows of {a.window}, KL(bf16 ref || build); "
            f"greedy: 12 shipped prompts x 32 tokens. Caveat: {CAVEAT}.", "",
            "Commands:", *[f"- {r['build']}: `{r['command']}`" for r in rows]]
-    (w / "QUALITY.md").write_text("\n".join(md) + "\n")
+    (w / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -34,6 +34,7 @@ class Recipe:
     group_size_fallbacks: tuple[int, ...] = (64, 32)
     keep_bf16: tuple[str, ...] = ()
     keep_int8: tuple[str, ...] = ()
+    head_group_size: int | None = None  # int4 group size for lm_head/embed only (None: as the body)
     features: tuple = ()  # sorted (name, value) pairs of the recipe's [features] table (FEATURES)
     path: str = ""
 
@@ -85,6 +86,12 @@ def _features(d: dict, path: str) -> tuple:
     return tuple(sorted(d.items()))
 
 
+def _head_group_size(v, path: str) -> int | None:
+    if v is not None and (type(v) is not int or v not in C.GROUP_SIZES):
+        raise SpecError(f"recipe {path}: head_group_size must be one of {C.GROUP_SIZES}")
+    return v
+
+
 def _recipe_from_dict(d: dict, path: str) -> Recipe:
     try:
         q = d.get("quant", {})
@@ -98,6 +105,7 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
             keep_bf16=tuple(q.get("keep_bf16", ())),
             keep_int8=tuple(q.get("keep_int8", ())),
+            head_group_size=_head_group_size(q.get("head_group_size"), path),
             features=_features(d.get("features", {}), path),
             path=path,
         )
@@ -357,6 +365,8 @@ def choose_group_size(n: int, k: int, recipe: Recipe, role: str, requested: int 
     if role in recipe.keep_bf16 or n % 16:
         return None
     first = requested or recipe.group_size
+    if role in (C.ROLE_LM_HEAD, C.ROLE_EMBED) and recipe.head_group_size:
+        first = recipe.head_group_size
     for g in (first, *recipe.group_size_fallbacks):
         if g in C.GROUP_SIZES and g <= first and k % g == 0:
             return g

@@ -164,3 +164,24 @@ def test_no_tokenizer_for_calibration(tmp_path):
         convert(str(src), str(tmp_path / "o"), Options(progress=False, method="gptq"))
     s = convert(str(src), str(tmp_path / "o"), Options(progress=False))
     assert json.loads((tmp_path / "o" / "sparkq.json").read_text())["method"] == s["method"] == "clip"
+
+
+def test_recipe_head_group_size_and_mixed_int8(tiny_tied, tmp_path):
+    """Recipe options for mixed precision: ``head_group_size`` gives the int4 head its own
+    (smaller) groups, ``keep_int8`` takes any role; the runtime reads the mix."""
+    text = (Path(__file__).resolve().parents[1] / "recipes" / "llama.toml").read_text()
+    recipe = tmp_path / "mixed.toml"
+    recipe.write_text(text.replace('keep_int8 = ["lm_head", "embed"]', 'keep_int8 = ["down"]\nhead_group_size = 32'))
+    out = tmp_path / "mixed"
+    convert(str(tiny_tied), str(out), Options(progress=False, method="minmax", head="int4", recipe=str(recipe)))
+    art = Artifact.open(out)
+    art.verify()
+    assert art.linears["lm_head"].kind == "int4" and art.linears["lm_head"].group_size == 32
+    assert art.linears["layers.0.down"].kind == "int8"
+    assert art.linears["layers.0.qkv"].kind == "int4" and art.linears["layers.0.qkv"].group_size > 32
+    ref, m = load(str(tiny_tied), max_model_len=64), load(str(out), max_model_len=64)
+    ids = ref.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    assert float((ref.logits(ids) - m.logits(ids)).abs().max()) < 0.5 * float(ref.logits(ids).abs().max())
+    recipe.write_text(text.replace('keep_int8 = ["lm_head", "embed"]', "head_group_size = 48"))
+    r = run_cli("spark-convert", tiny_tied, tmp_path / "bad", "--recipe", recipe)
+    assert r.returncode == 2 and "head_group_size must be one of" in r.stderr and not (tmp_path / "bad").exists()
