@@ -92,6 +92,13 @@ def _head_group_size(v, path: str) -> int | None:
     return v
 
 
+def _roles(v, key: str, path: str) -> tuple[str, ...]:
+    known = (*C.LAYER_LINEARS, C.ROLE_LM_HEAD, C.ROLE_EMBED)
+    if not isinstance(v, (list, tuple)) or any(r not in known for r in v):
+        raise SpecError(f"recipe {path}: {key} must list roles among {', '.join(known)}; got {v!r}")
+    return tuple(v)
+
+
 def _recipe_from_dict(d: dict, path: str) -> Recipe:
     try:
         q = d.get("quant", {})
@@ -103,8 +110,8 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             layer_names={k: v for k, v in d["layer"].items() if k != "prefix"},
             group_size=int(q.get("group_size", 128)),
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
-            keep_bf16=tuple(q.get("keep_bf16", ())),
-            keep_int8=tuple(q.get("keep_int8", ())),
+            keep_bf16=_roles(q.get("keep_bf16", []), "keep_bf16", path),
+            keep_int8=_roles(q.get("keep_int8", []), "keep_int8", path),
             head_group_size=_head_group_size(q.get("head_group_size"), path),
             features=_features(d.get("features", {}), path),
             path=path,

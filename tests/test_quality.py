@@ -185,3 +185,6 @@ def test_recipe_head_group_size_and_mixed_int8(tiny_tied, tmp_path):
     recipe.write_text(text.replace('keep_int8 = ["lm_head", "embed"]', "head_group_size = 48"))
     r = run_cli("spark-convert", tiny_tied, tmp_path / "bad", "--recipe", recipe)
     assert r.returncode == 2 and "head_group_size must be one of" in r.stderr and not (tmp_path / "bad").exists()
+    recipe.write_text(text.replace('keep_int8 = ["lm_head", "embed"]', 'keep_int8 = ["downn"]'))
+    r = run_cli("spark-convert", tiny_tied, tmp_path / "bad", "--recipe", recipe)
+    assert r.returncode == 2 and "keep_int8 must list roles" in r.stderr and len(r.stderr.strip().splitlines()) == 1
