@@ -122,7 +122,7 @@ def test_killed_conversion_leaves_no_output(tmp_path):
         proc.wait()
         assert not out.exists() or Artifact.open(out).verify() is None
         # the next run cleans the dead run's temp dir and succeeds
-        convert(str(src), str(out), Options(progress=False, force=True))
+        convert(str(src), str(out), Options(progress=False, force=True, method="minmax"))
         assert Artifact.open(out).verify() is None
         assert not [p for p in tmp_path.iterdir() if ".sparkq-tmp-" in p.name]
 
