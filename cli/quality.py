@@ -70,6 +70,10 @@ def mixed_recipe(path: Path, quant: dict) -> Path:
     return path
 
 
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def run(cmd: list[str]) -> dict:
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     p = subprocess.run([str(BIN / cmd[0]), *cmd[1:]], capture_output=True, text=True)
@@ -171,12 +175,11 @@ def main() -> None:
     builds = BUILDS if a.set != "mixed" else []
     if a.set != "default":
         for name, quant in MIXED:
-            slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-            recipe = mixed_recipe(w / f"quality-{slug}.toml", quant)
+            recipe = mixed_recipe(w / f"quality-{slug(name)}.toml", quant)
             builds = builds + [(name, ["--method", "gptq", "--head", "int4", "--recipe", str(recipe)])]
     for name, args in builds:
         args = [a.corpus if x == "CORPUS" else x for x in args]
-        out = w / ("quality-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"))
+        out = w / f"quality-{slug(name)}"
         s = run(["spark-convert", str(ref_dir), str(out), "--force", "--json", *args])
         art = load(str(out), max_model_len=a.window + 96, kv_budget_mib=64, threads=a.threads)
         rows.append(measure(name, art, {"command": "spark-convert REF OUT " + " ".join(args),

@@ -105,7 +105,7 @@ def plan(source: Source, opts: Options):
                 raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, config implies {[r, k]}; "
                                    "config.json and weights disagree")
         role = role_of(name)
-        head = role in (C.ROLE_LM_HEAD, C.ROLE_EMBED) and opts.head
+        head = role in C.HEAD_ROLES and opts.head
         g = None if head in ("bf16", "int8") else choose_group_size(n, k, recipe, role, opts.group_size)
         int8 = head == "int8" or (not head and role in recipe.keep_int8)
         linears.append(PlannedLinear(name, n, k, None if int8 else g, parts, int8))

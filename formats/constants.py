@@ -56,6 +56,8 @@ TOKENIZER_FILES = (
 ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN = "qkv", "o", "gate_up", "down"
 ROLE_LM_HEAD, ROLE_EMBED = "lm_head", "embed"
 LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)
+HEAD_ROLES = (ROLE_LM_HEAD, ROLE_EMBED)  # the (tied) embedding/head
+ROLES = LAYER_LINEARS + HEAD_ROLES
 LAYER_NORMS = ("attn_norm", "mlp_norm")
 
 KIND_INT4 = "int4"

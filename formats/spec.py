@@ -93,9 +93,8 @@ def _head_group_size(v, path: str) -> int | None:
 
 
 def _roles(v, key: str, path: str) -> tuple[str, ...]:
-    known = (*C.LAYER_LINEARS, C.ROLE_LM_HEAD, C.ROLE_EMBED)
-    if not isinstance(v, (list, tuple)) or any(r not in known for r in v):
-        raise SpecError(f"recipe {path}: {key} must list roles among {', '.join(known)}; got {v!r}")
+    if not isinstance(v, (list, tuple)) or any(r not in C.ROLES for r in v):
+        raise SpecError(f"recipe {path}: {key} must list roles among {', '.join(C.ROLES)}; got {v!r}")
     return tuple(v)
 
 
@@ -372,7 +371,7 @@ def choose_group_size(n: int, k: int, recipe: Recipe, role: str, requested: int 
     if role in recipe.keep_bf16 or n % 16:
         return None
     first = requested or recipe.group_size
-    if role in (C.ROLE_LM_HEAD, C.ROLE_EMBED) and recipe.head_group_size:
+    if role in C.HEAD_ROLES and recipe.head_group_size:
         first = recipe.head_group_size
     for g in (first, *recipe.group_size_fallbacks):
         if g in C.GROUP_SIZES and g <= first and k % g == 0:
