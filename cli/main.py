@@ -40,6 +40,15 @@ def _run(fn, *a, **kw):
         _fail("interrupted; nothing was written")
 
 
+PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
+
+
+def _prefill_mode(v: str) -> bool | None:
+    if v not in PREFILL_MODES:
+        _fail(f"--prefill {v!r}: use one of {', '.join(PREFILL_MODES)}")
+    return PREFILL_MODES[v]
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB"
 
@@ -214,14 +223,15 @@ def generate(
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="default: min(2048, max_position_embeddings)"),
     kv_budget_mib: float = typer.Option(192, "--kv-budget-mib"),
     threads: Optional[int] = typer.Option(None, "--threads"),
-    no_prefill_dequant: bool = typer.Option(False, "--no-prefill-dequant", help="prefill with the int4 kernel too"),
+    prefill: str = typer.Option("auto", "--prefill", help="prompt products of int4 linears above 64 rows: auto "
+                                "(the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant (fp32 activations, no A8)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token ids, stats)"),
 ):
     """Generate text; streams tokens, then prints one stats line."""
     from sparkq.runtime import load
 
     m = _run(load, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads,
-             prefill_dequant=not no_prefill_dequant)
+             prefill_dequant=_prefill_mode(prefill))
     hub = m.info.extra.get("hub")
     if hub and not as_json:
         typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)

@@ -147,7 +147,7 @@ def _attach_fast(model: Model, enabled: bool) -> str:
 
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
-         threads: int | None = None, prefill_dequant: bool = True, verify: bool = False,
+         threads: int | None = None, prefill_dequant: bool | None = None, verify: bool = False,
          rope_len_from_config: bool = False, c_decode: bool = True) -> "LoadedModel":
     """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference).
 
@@ -157,6 +157,9 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     tables sized from max_position_embeddings, as other runtimes do.
     ``c_decode`` runs decode steps through the C core (runtime/fastpath.py) when the
     model allows it (rows32, int8 or bf16 linears) and a C compiler is present.
+    ``prefill_dequant`` picks the prefill product of int4 linears above 64 rows: None (auto) the
+    C core's W4A8 GEMM where it applies (rows32, K and group multiples of 64), else dequantize +
+    dense GEMM; True always dequantize (weights x fp32 activations, no A8); False always the kernel.
     """
     t0 = time.perf_counter()
     if threads:

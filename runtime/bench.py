@@ -20,7 +20,11 @@ def _bool(v: str) -> bool:
     return v.lower() in ("1", "true", "yes", "on")
 
 
-LOAD_KEYS = {"prefill_dequant": _bool, "c_decode": _bool, "threads": int,
+def _auto_bool(v: str) -> bool | None:
+    return None if v.lower() == "auto" else _bool(v)
+
+
+LOAD_KEYS = {"prefill_dequant": _auto_bool, "c_decode": _bool, "threads": int,
              "kv_budget_mib": float, "max_model_len": int}
 
 

@@ -20,6 +20,10 @@ KERNEL_MAX_ROWS = 256  # measured crossover on the AVX2 box (README: prefill tab
 # Measured crossover (whole forward, C vs dequant+GEMM tok/s): example 32 rows 1.23x, 64 rows 0.91x;
 # Qwen3-1.7B shape 64 rows 1.28x, 96 rows 0.95x, 128 rows 1.03x, 192 rows 0.77x.
 C_MAX_ROWS = 64
+# ... and above it, with prefill_dequant=None (auto), every rows32 int4 linear whose activations
+# pair up for the AVX2 kernel (K and the group a multiple of 64) still takes the C core's W4A8
+# GEMM (register tiles of 2 rows x 3 tokens, int8 activations per 32 columns): 1.06-1.36x the
+# dequantize + fp32 GEMM path per linear at 512 rows (README "Prefill" has the table).
 
 
 def prefill_dtype() -> torch.dtype:
@@ -48,7 +52,7 @@ class Scratch:
 
 class Int4Linear:
     def __init__(self, name: str, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                 n: int, k: int, layout: str, scratch: Scratch, prefill_dequant: bool = True):
+                 n: int, k: int, layout: str, scratch: Scratch, prefill_dequant: bool | None = None):
         self.name, self.qweight, self.scales_zeros = name, qweight, scales_zeros
         self.g, self.n, self.k = group_size, n, k
         self.layout = get_layout(layout)
@@ -59,14 +63,26 @@ class Int4Linear:
         self.block_rows = min(n, rows)
         self.c = None  # (lib, SqLinear) when the C core is loaded (rows32 only)
 
+    def c_gemm(self, m: int) -> bool:
+        """Whether m rows go through the C core's W4A8 product (else dequantize + dense GEMM)."""
+        if self.c is None:
+            return False
+        if m <= C_MAX_ROWS or self.prefill_dequant is False:
+            return True
+        return self.prefill_dequant is None and self.k % 64 == 0 and self.g % 64 == 0
+
     def _c_matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         import ctypes
 
         lib, desc = self.c
-        xf = x.to(torch.float32).contiguous()
+        xc = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        if lib.sq_linear_batch(ctypes.byref(desc), xf.data_ptr(), xf.shape[0], y.data_ptr()):
+        yb = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16) if out_dtype == torch.bfloat16 else None
+        if lib.sq_linear_batch(ctypes.byref(desc), xc.data_ptr(), int(xc.dtype == torch.bfloat16), xc.shape[0],
+                               y.data_ptr(), yb.data_ptr() if yb is not None else None):
             raise MemoryError(f"{self.name}: C kernel could not allocate its activation buffers")
+        if yb is not None:
+            return yb
         return y if out_dtype == torch.float32 else y.to(out_dtype)
 
     def _c_dequant_matmul(self, xc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -100,11 +116,11 @@ class Int4Linear:
     def uses_kernel(self, m: int) -> bool:
         if self.layout.rows:  # no torch kernel reads rows32: always dequantize (the C core decodes)
             return False
-        return m <= KERNEL_MAX_ROWS or not self.prefill_dequant
+        return m <= KERNEL_MAX_ROWS or self.prefill_dequant is False
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         m = x.shape[0]
-        if self.c is not None and (m <= C_MAX_ROWS or not self.prefill_dequant):
+        if self.c_gemm(m):
             return self._c_matmul(x, out_dtype or x.dtype)
         if self.uses_kernel(m):
             y = int4_mm(x.contiguous(), self.qweight, self.g, self.scales_zeros)
@@ -186,7 +202,7 @@ class DenseLinear:
         return torch.nn.functional.embedding(ids, self.weight)
 
 
-def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratch, prefill_dequant: bool):
+def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratch, prefill_dequant: bool | None):
     out = {}
     for name, lin in art.linears.items():
         if lin.kind == C.KIND_INT4:

@@ -50,6 +50,7 @@ CASES = {  # name -> builder; shapes cover the 4-row blocks, their remainders an
     "int4-g32": lambda: _int4(80, 96, 32),           # g32: natural activation order (portable loop)
     "int4-g64": lambda: _int4(48, 576, 64),          # paired AVX2 path, one pair per group
     "int4-g128-bias": lambda: _int4(64, 256, 128, bias=True),
+    "int4-g128-blocks": lambda: _int4(1041, 256, 128),  # prefill GEMM: 2 row blocks, odd tail row
     "int8": lambda: _int8(83, 160),                  # 83 rows: one-row tail
     "bf16": lambda: _bf16(37, 72),                   # K not a multiple of 8: scalar tail
 }
@@ -80,13 +81,19 @@ def test_products_match_fp64_within_the_a8_budget(case):
     assert ((out["native"] - out["scalar"]).norm() / ref.norm()).item() < 1e-5, case
 
 
-@pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g32", "int8"])
+@pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8"])
 def test_batch_equals_single_products_and_dequant(case):
     L, w, b, keep = CASES[case]()
     lib = _lib("native")
-    X = torch.randn(13, L.k, generator=torch.Generator().manual_seed(2))  # 13: 3 tiles of 4 tokens + 1
+    X = torch.randn(13, L.k, generator=torch.Generator().manual_seed(2))  # 13: 4 tiles of 3 tokens + 1
     Y = torch.empty(13, L.n)
-    assert lib.sq_linear_batch(ctypes.byref(L), X.data_ptr(), 13, Y.data_ptr()) == 0
+    assert lib.sq_linear_batch(ctypes.byref(L), X.data_ptr(), 0, 13, Y.data_ptr(), None) == 0
+    # bf16 in, bf16 out: the same products on the bf16-rounded input, rounded like torch
+    Xb, Yb, scratch = X.to(torch.bfloat16), torch.empty(13, L.n, dtype=torch.bfloat16), torch.empty(13, L.n)
+    Xr, Yr = Xb.float(), torch.empty(13, L.n)
+    assert lib.sq_linear_batch(ctypes.byref(L), Xb.data_ptr(), 1, 13, scratch.data_ptr(), Yb.data_ptr()) == 0
+    assert lib.sq_linear_batch(ctypes.byref(L), Xr.data_ptr(), 0, 13, Yr.data_ptr(), None) == 0
+    assert torch.equal(Yb, Yr.to(torch.bfloat16))
     single = torch.stack([_run(lib, L, X[t].contiguous()) for t in range(13)])
     if b is not None:  # the batch kernel leaves the bias to its caller
         single -= b.float()

@@ -180,27 +180,34 @@ def test_example_paris_chat_and_determinism(example_art):
 
 
 def test_example_prefill_arms_agree(example_art):
-    """prefill_dequant on (fp32/bf16 GEMM on dequantized blocks above 64 rows) vs off (the C
-    W4A8 kernel for every row count): the same weights through numerically different paths.
-    Both sit close to an fp32 reference of the dequantized weights (the W4A8 arm within its
-    stated budget, KL < 0.01), and greedy output on a long prompt is identical."""
+    """prefill_dequant True (fp32/bf16 GEMM on dequantized blocks above 64 rows), None (auto: the
+    C W4A8 GEMM for every int4 linear here, the int8 head through its kernel) and False (the
+    kernel for every row count): the same weights through numerically different paths. All sit close
+    to an fp32 reference of the dequantized weights (the W4A8 arms within their stated budget,
+    KL < 0.01), and greedy output on a long prompt is identical."""
     from sparkq.formats.layout import dequantize_codes, unpack
     from sparkq.runtime.model import Model
     from sparkq.runtime.weights import KERNEL_MAX_ROWS
     corpus = ROOT.parent / "shared" / "corpus" / "wikitext2-valid.txt"
     if not corpus.exists():
         pytest.skip("../shared/corpus/wikitext2-valid.txt not present")
-    on, off = load(str(example_art)), load(str(example_art), prefill_dequant=False)
+    on, auto = load(str(example_art), prefill_dequant=True), load(str(example_art))
+    off = load(str(example_art), prefill_dequant=False)
+    lins = auto.model.lin
+    int4 = [lin for lin in lins.values() if isinstance(lin, Int4Linear)]
+    assert int4 and all(lin.c_gemm(512) for lin in int4)
+    assert not any(lin.c_gemm(512) for lin in on.model.lin.values() if isinstance(lin, Int4Linear))
     ids = on.tokenizer.encode(corpus.read_text()[:20000])[:300]
     assert len(ids) > KERNEL_MAX_ROWS  # the dequantizing prefill path is exercised
-    assert list(on.stream_ids(ids, max_new_tokens=16)) == list(off.stream_ids(ids, max_new_tokens=16))
+    greedy = list(on.stream_ids(ids, max_new_tokens=16))
+    assert list(auto.stream_ids(ids, max_new_tokens=16)) == greedy == list(off.stream_ids(ids, max_new_tokens=16))
     dense = {n: DenseLinear(n, dequantize_codes(unpack(l.qweight, l.layout, l.n, l.k), l.scales_zeros, l.g,
                                                   torch.float32)) for n, l in on.model.lin.items()}
     ref = Model(on.model.spec, dense, {k: v.float() for k, v in on.model.norms.items()}, max_model_len=512,
                 kv_capacity=512)
     ref.cache.k, ref.cache.v = ref.cache.k.float(), ref.cache.v.float()
     lr = ref.forward(torch.tensor(ids), 0, last_only=False).log_softmax(-1)
-    for arm in (on, off):
+    for arm in (on, auto, off):
         la = arm.logits(ids)
         kl = torch.nn.functional.kl_div(la.log_softmax(-1), lr, log_target=True, reduction="batchmean").item()
         top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
