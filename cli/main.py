@@ -345,6 +345,8 @@ def fidelity(
     prompts: Optional[str] = typer.Option(None, "--prompts", help="file with one prompt per line (default: 12 shipped)"),
     new_tokens: int = typer.Option(32, "--new-tokens"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    prefill: str = typer.Option("auto", "--prefill", help="the artifact's prompt products, as `sparkq generate "
+                                "--prefill`: auto, kernel, or dequant (fp32 activations, no A8)"),
     as_json: bool = typer.Option(False, "--json"),
     save: bool = typer.Option(False, "--save", help="store the result in ARTIFACT/measurements/ (model card)"),
 ):
@@ -358,7 +360,8 @@ def fidelity(
         if not Path(prompts).is_file():
             _fail(f"--prompts {prompts}: no such file")
         plist = [line for line in Path(prompts).read_text().splitlines() if line.strip()]
-    r = _run(do_fidelity, artifact, reference, corpus, tokens, window, plist, new_tokens, threads)
+    r = _run(do_fidelity, artifact, reference, corpus, tokens, window, plist, new_tokens, threads,
+             prefill_dequant=_prefill_mode(prefill))
     if save:
         _save(artifact, "fidelity", r)
     if as_json:
@@ -366,7 +369,7 @@ def fidelity(
         return
     tf, g = r["teacher_forced"], r["greedy"]
     typer.echo(f"sparkq fidelity: {artifact} vs {reference}\n" + _table([
-        ("tokens (teacher-forced)", f"{tf['tokens']} in windows of {r['window']}"),
+        ("tokens (teacher-forced)", f"{tf['tokens']} in windows of {r['window']} (prefill {prefill})"),
         ("top-1 agreement", f"{tf['top1_agreement']:.2%}"),
         ("KL(ref || artifact)", f"mean {tf['kl_mean']:.4f}, p99 {tf['kl_p99']:.4f}"),
         ("perplexity", f"artifact {tf['ppl_artifact']:.3f}, reference {tf['ppl_reference']:.3f}"),

@@ -58,13 +58,15 @@ def greedy(art, ref, prompts: list[str], new_tokens: int) -> dict:
 
 
 def fidelity(artifact: str, reference: str, corpus: str, tokens: int = 4096, window: int = 512,
-             prompts: list[str] | None = None, new_tokens: int = 32, threads: int | None = None) -> dict:
+             prompts: list[str] | None = None, new_tokens: int = 32, threads: int | None = None,
+             prefill_dequant: bool | None = None) -> dict:
     p = Path(corpus)
     if not p.is_file():
         raise RuntimeUserError(f"corpus {corpus}: no such file; pass --corpus FILE (any UTF-8 text)")
     if tokens < 2 or window < 1:
         raise RuntimeUserError("--tokens must be >= 2 and --window >= 1")
-    art = load(artifact, max_model_len=window + new_tokens + 64, kv_budget_mib=64, threads=threads)
+    art = load(artifact, max_model_len=window + new_tokens + 64, kv_budget_mib=64, threads=threads,
+               prefill_dequant=prefill_dequant)
     ref = load(reference, max_model_len=window + new_tokens + 64, kv_budget_mib=64, threads=threads)
     if art.tokenizer is None:
         raise RuntimeUserError(f"{artifact}: no tokenizer.json, cannot tokenize the corpus")
@@ -73,5 +75,6 @@ def fidelity(artifact: str, reference: str, corpus: str, tokens: int = 4096, win
     if len(ids) < tokens + 1:
         raise RuntimeUserError(f"corpus {corpus} gives only {len(ids)} tokens; lower --tokens or use a longer file")
     return {"artifact": artifact, "reference": reference, "corpus": str(p), "window": window,
+            "prefill": {None: "auto", True: "dequant", False: "kernel"}[prefill_dequant],
             "teacher_forced": teacher_forced(art, ref, ids, window),
             "greedy": greedy(art, ref, prompts or default_prompts(), new_tokens)}

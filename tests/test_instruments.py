@@ -87,9 +87,11 @@ def test_fidelity_int4_vs_reference(tiny_tied, tiny_tied_art, tmp_path):
     p = run_cli("sparkq", "fidelity", tiny_tied_art, "--reference", tiny_tied, "--corpus", corpus,
                 "--tokens", "128", "--window", "64", "--new-tokens", "4")
     assert p.returncode == 0, p.stderr
-    assert "KL(ref || artifact)" in p.stdout and "saturate" in p.stdout
+    assert "KL(ref || artifact)" in p.stdout and "saturate" in p.stdout and "(prefill auto)" in p.stdout
     p = run_cli("sparkq", "fidelity", tiny_tied_art, "--reference", tiny_tied, "--corpus", tmp_path / "nope.txt")
     assert p.returncode == 2 and "no such file" in p.stderr
+    p = run_cli("sparkq", "fidelity", tiny_tied_art, "--reference", tiny_tied, "--corpus", corpus, "--prefill", "fp8")
+    assert p.returncode == 2 and "--prefill 'fp8'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 def test_synth_convert_bench(tmp_path):
