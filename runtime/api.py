@@ -158,7 +158,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     ``c_decode`` runs decode steps through the C core (runtime/fastpath.py) when the
     model allows it (rows32, int8 or bf16 linears) and a C compiler is present.
     ``prefill_dequant`` picks the prefill product of int4 linears above 64 rows: None (auto) the
-    C core's W4A8 GEMM where it applies (rows32, K and group multiples of 64), else dequantize +
+    C core's W4A8 GEMM where it applies and pays (rows32, K >= 1024, K and group multiples of 64), else dequantize +
     dense GEMM; True always dequantize (weights x fp32 activations, no A8); False always the kernel.
     """
     t0 = time.perf_counter()

@@ -20,10 +20,11 @@ KERNEL_MAX_ROWS = 256  # measured crossover on the AVX2 box (README: prefill tab
 # Measured crossover (whole forward, C vs dequant+GEMM tok/s): example 32 rows 1.23x, 64 rows 0.91x;
 # Qwen3-1.7B shape 64 rows 1.28x, 96 rows 0.95x, 128 rows 1.03x, 192 rows 0.77x.
 C_MAX_ROWS = 64
-# ... and above it, with prefill_dequant=None (auto), every rows32 int4 linear whose activations
-# pair up for the AVX2 kernel (K and the group a multiple of 64) still takes the C core's W4A8
-# GEMM (register tiles of 2 rows x 3 tokens, int8 activations per 32 columns): 1.06-1.36x the
-# dequantize + fp32 GEMM path per linear at 512 rows (README "Prefill" has the table).
+# ... and above it, with prefill_dequant=None (auto), rows32 int4 linears with K >= C_GEMM_MIN_K
+# whose activations pair up for the AVX2 kernel (K and the group multiples of 64) still take the
+# C core's W4A8 GEMM: `python -m sparkq.cli.gemmbench` at 512 rows, against dequantize + fp32
+# GEMM: K=576 0.82x, K=1536 1.10-1.14x, K=2048/6144 1.30-1.61x (README "Prefill").
+C_GEMM_MIN_K = 1024
 
 
 def prefill_dtype() -> torch.dtype:
@@ -69,7 +70,7 @@ class Int4Linear:
             return False
         if m <= C_MAX_ROWS or self.prefill_dequant is False:
             return True
-        return self.prefill_dequant is None and self.k % 64 == 0 and self.g % 64 == 0
+        return self.prefill_dequant is None and self.k >= C_GEMM_MIN_K and self.k % 64 == 0 and self.g % 64 == 0
 
     def _c_matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         import ctypes

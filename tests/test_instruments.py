@@ -2,9 +2,10 @@
 import json
 import mmap
 
+import pytest
 import torch
 
-from helpers import run_cli
+from helpers import run_cli, run_py
 from sparkq.formats.procmem import resident_bytes
 from sparkq.runtime import load
 from sparkq.runtime.memory import ledger
@@ -124,3 +125,17 @@ def test_plot_option(tiny_tied_art, tmp_path):
         assert p.returncode == 2 and "pip install matplotlib" in p.stderr
     else:
         assert p.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gemmbench_runs(tmp_path):
+    """The prefill-product benchmark (README "Prefill") runs and reports both arms."""
+    pytest.importorskip("sparkq.runtime.kernels")
+    from sparkq.runtime import kernels
+    if kernels._compiler() is None:
+        pytest.skip("no C compiler")
+    p = run_py("import sys; from sparkq.cli.gemmbench import main; import typer; sys.argv = ['gemmbench', '--shape', "
+               "'128,48,64', '--rows', '9', '--rounds', '1', '--reps', '1', '--json']; typer.run(main)")
+    assert p.returncode == 0, p.stderr
+    (r,) = json.loads(p.stdout)
+    assert (r["k"], r["n"], r["group"], r["rows"]) == (128, 48, 64, 9)
+    assert r["dequant_fp32_gops"] > 0 and r["w4a8_gops"] > 0 and r["ratio"] > 0
