@@ -1,10 +1,11 @@
 """Linear layers over memory-mapped weights, and the two ways to build them.
 
 ``Int4Linear`` holds views into the artifact's mapping (packed codes + scales/zeros)
-and never copies them. Few rows (decode) go through torch's int4 kernel; many rows
-(prefill) dequantize the same packed bytes, block by block, into a reused scratch buffer
-and use a dense matmul: bf16 where the CPU has native bf16, else fp32 (on AVX2 the bf16
-GEMM is 3x slower than the int4 kernel, fp32 GEMM 2x faster at 512 rows).
+and never copies them. rows32 linears multiply in the C core (few rows, and many rows where
+its W4A8 GEMM pays: ``Int4Linear.c_gemm``); otherwise few rows go through torch's int4
+kernel and many rows (prefill) dequantize the same packed bytes, block by block, into a
+reused scratch buffer and use a dense matmul: bf16 where the CPU has native bf16, else fp32
+(on AVX2 the bf16 GEMM is 3x slower than the int4 kernel, fp32 GEMM 2x faster at 512 rows).
 """
 from __future__ import annotations
 

@@ -398,9 +398,10 @@ static void linear(const sq_linear *L, const float *x, sq_act *a, float *y) {
  * columns and token: two maddubs, an add, a madd, a convert and an FMA with the activation
  * block scales into a per-group accumulator, which one FMA per group scales by the weight
  * scale; the zero and -8 terms are added per (row, token) after the tiles, from per-group
- * sums. Measured on the AVX2 box at 512 tokens: 1.06-1.45x the dequantize + fp32 GEMM path
- * per linear (README "Prefill"); 1 x 4 tiles with group accumulators beat 2 x 3 tiles with
- * a scale multiply per step by ~10% at g128.
+ * sums. Measured on the AVX2 box at 512 tokens (`python -m sparkq.cli.gemmbench`): 0.82x the
+ * dequantize + fp32 GEMM path at K=576, 1.10-1.61x at K >= 1536 (the runtime uses it from
+ * K = 1024); 1 x 4 tiles with group accumulators beat 2 x 3 tiles with a scale multiply per
+ * step by ~10% at g128.
  * Int8 (and the portable build): each weight row is read once and multiplied with the
  * activations of TB tokens at a time. */
 
