@@ -40,10 +40,9 @@ def _run(fn, *a, **kw):
         _fail("interrupted; nothing was written")
 
 
-PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
-
-
 def _prefill_mode(v: str) -> bool | None:
+    from sparkq.runtime.weights import PREFILL_MODES
+
     if v not in PREFILL_MODES:
         _fail(f"--prefill {v!r}: use one of {', '.join(PREFILL_MODES)}")
     return PREFILL_MODES[v]

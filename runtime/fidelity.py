@@ -13,6 +13,7 @@ import torch
 
 from .api import load
 from .errors import RuntimeUserError
+from .weights import PREFILL_MODES
 
 GREEDY_CAVEAT = ("greedy reproductions saturate: one early divergence changes everything after it, so counts "
                  "move in big steps and say little about small quality differences; prefer KL and top-1")
@@ -75,6 +76,6 @@ def fidelity(artifact: str, reference: str, corpus: str, tokens: int = 4096, win
     if len(ids) < tokens + 1:
         raise RuntimeUserError(f"corpus {corpus} gives only {len(ids)} tokens; lower --tokens or use a longer file")
     return {"artifact": artifact, "reference": reference, "corpus": str(p), "window": window,
-            "prefill": {None: "auto", True: "dequant", False: "kernel"}[prefill_dequant],
+            "prefill": next(k for k, v in PREFILL_MODES.items() if v is prefill_dequant),
             "teacher_forced": teacher_forced(art, ref, ids, window),
             "greedy": greedy(art, ref, prompts or default_prompts(), new_tokens)}

@@ -26,6 +26,8 @@ C_MAX_ROWS = 64
 # C core's W4A8 GEMM: `python -m sparkq.cli.gemmbench` at 512 rows, against dequantize + fp32
 # GEMM: K=576 0.82x, K=1536 1.10-1.14x, K=2048/6144 1.30-1.61x (README "Prefill").
 C_GEMM_MIN_K = 1024
+# the user-facing names of prefill_dequant's three values (`--prefill`)
+PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
 
 
 def prefill_dtype() -> torch.dtype:
