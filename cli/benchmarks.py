@@ -80,7 +80,8 @@ def llama_ggufs(w: Path, example_gguf, log: list[str]) -> list[str]:
 def speed_table(res: dict) -> list[str]:
     """The decode/prefill summary: every path of both models beside llama.cpp Q4_0 (same run)."""
     L = ["| model | path | decode tok/s [min..max] | prefill tok/s [min..max] | decode GB/s (% of read ceiling) | "
-         "decode vs llama.cpp Q4_0 | prefill vs llama.cpp Q4_0 | load s | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|"]
+         "decode vs llama.cpp Q4_0 | prefill vs llama.cpp Q4_0 | load s | peak RSS MiB: load / run (bound) |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for label, key in (("SmolLM2-135M (example)", "example_bench"), ("Qwen3-1.7B shape", "big_bench")):
         r = res[key]
         base = next((a for n, a in r["arms"].items() if "Q4_0" in n or n == "llama.cpp"), None)
@@ -91,7 +92,8 @@ def speed_table(res: dict) -> list[str]:
             path = a.get("decode_path") or "?"
             L.append(f"| {label} | {n}: {path} | {f('tg_tok_s', '.1f')} | {f('pp_tok_s', '.0f')} | "
                      f"{a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {ratio('tg_tok_s')} | {ratio('pp_tok_s')} | "
-                     f"{a['load_s']['median']:.3f} | {a['peak_rss_mib']['median']:.0f} |")
+                     f"{a['load_s']['median']:.3f} | {a['peak_rss_mib']['median']:.0f} / {a['run_peak_rss_mib']['max']:.0f}"
+                     f"{' (' + format(a['rss_bound_mib'], '.0f') + ')' if 'rss_bound_mib' in a else ''} |")
     return L
 
 
@@ -162,7 +164,10 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                              "medians [min..max]); llama.cpp runs through llama-cpp-python in its own child process. "
                              "control = the default rows32 artifact through the C decode core; torch-int4-kernel = the same "
                              "model packed for torch's `_weight_int4pack_mm_for_cpu`. Decode GB/s = weight bytes read per "
-                             "token x tok/s; the ceiling is a streaming read with the same threads.", "",
+                             "token x tok/s; the ceiling is a streaming read with the same threads. Peak RSS: load = through "
+                             "load and a 16-token first answer (median); run = through the pp512 prefill and the decode "
+                             "(max over passes); bound = weights file + the arm's KV budget (sized by the bench to "
+                             "pp + 8 tokens) + 150 MiB.", "",
                              "## SmolLM2-135M-Instruct (the bundled example)", ""]
     c = res["example_convert"]
     L += [f"Conversion: {c['source_bytes'] / 2**20:.1f} MiB bf16 -> {c['artifact_bytes'] / 2**20:.1f} MiB, "

@@ -412,13 +412,15 @@ def format_bench(r: dict) -> str:
              f"cpu {r['cpu_capability']}, {r['passes']} interleaved passes, medians [min..max]; "
              f"read ceiling {r['read_ceiling_gb_s']:.1f} GB/s", "",
              f"  | arm | decode tg{r['tg']} tok/s | prefill pp{r['pp']} tok/s | load s | TTFT s | peak / settled RSS MiB "
-             f"| decode GB/s (% ceiling) | decode vs control | prefill vs control | decode path |",
-             "  |---|---|---|---|---|---|---|---|---|---|"]
+             f"| run peak / after RSS MiB (bound) | decode GB/s (% ceiling) | decode vs control | prefill vs control "
+             f"| decode path |", "  |---|---|---|---|---|---|---|---|---|---|---|"]
     for n, a in r["arms"].items():
         def f(m, fmt):
             return f"{format(a[m]['median'], fmt)} [{format(a[m]['min'], fmt)}..{format(a[m]['max'], fmt)}]"
         lines.append(f"  | {n} | {f('tg_tok_s', '.1f')} | {f('pp_tok_s', '.0f')} | {f('load_s', '.3f')} | {f('ttft_s', '.3f')} "
                      f"| {a['peak_rss_mib']['median']:.0f} / {a['settled_rss_mib']['median']:.0f} "
+                     f"| {a['run_peak_rss_mib']['max']:.0f} / {a['after_run_rss_mib']['median']:.0f}"
+                     f"{' (' + format(a['rss_bound_mib'], '.0f') + ')' if 'rss_bound_mib' in a else ''} "
                      f"| {a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {a['ratio_to_control']['tg_tok_s']:.2f}x "
                      f"| {a['ratio_to_control']['pp_tok_s']:.2f}x | {a.get('decode_path', '?')} |")
     return "\n".join(lines)

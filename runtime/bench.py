@@ -101,15 +101,19 @@ def _child_sparkq(a: dict) -> dict:
         next(iter(m.stream_ids(short, max_new_tokens=1, stop_ids=[])))
         ttft = time.perf_counter() - t
     settled = s.sample()
-    pp_ids = torch.randint(0, vocab, (a["pp"],), generator=g).tolist()
-    list(m.stream_ids(pp_ids[:64], max_new_tokens=2, stop_ids=[]))  # warm both paths
-    t = time.perf_counter()
-    m.model.forward(torch.tensor(pp_ids), 0, last_only=True)
-    pp_s = time.perf_counter() - t
-    list(m.stream_ids(short, max_new_tokens=a["tg"], stop_ids=[]))
+    with RssSampler(0.002) as run:  # the prefill and the decode, each from an empty cache
+        pp_ids = torch.randint(0, vocab, (a["pp"],), generator=g).tolist()
+        list(m.stream_ids(pp_ids[:64], max_new_tokens=2, stop_ids=[]))  # warm both paths
+        t = time.perf_counter()
+        m.model.forward(torch.tensor(pp_ids), 0, last_only=True)
+        pp_s = time.perf_counter() - t
+        list(m.stream_ids(short, max_new_tokens=a["tg"], stop_ids=[]))
     st = m.last_stats
+    art = sum(os.path.getsize(os.path.join(a["model"], f)) for f in os.listdir(a["model"]) if f.endswith(".safetensors"))
     return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": st.decode_tok_s,
-            "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024,
+            "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024, "run_peak_rss_mib": run.peak_kib / 1024,
+            "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20,
+            "kv_budget_mib": m.model.cache.nbytes / 2**20,
             "decode_bytes_per_token": decode_bytes_per_token(m), "threads": torch.get_num_threads(),
             "decode_path": m.info.extra.get("decode_path")}
 
@@ -146,19 +150,21 @@ def _child_llama(a: dict) -> dict:
         llm.eval(short)
         ttft = time.perf_counter() - t
     settled = s.sample()
-    llm.reset()
-    pp_ids = [rng.randrange(vocab) for _ in range(a["pp"])]
-    t = time.perf_counter()
-    llm.eval(pp_ids)
-    pp_s = time.perf_counter() - t
-    llm.reset()
-    llm.eval(short)
-    t = time.perf_counter()
-    for _ in range(a["tg"] - 1):
-        llm.eval([rng.randrange(vocab)])
-    tg_s = time.perf_counter() - t
+    with RssSampler(0.002) as run:
+        llm.reset()
+        pp_ids = [rng.randrange(vocab) for _ in range(a["pp"])]
+        t = time.perf_counter()
+        llm.eval(pp_ids)
+        pp_s = time.perf_counter() - t
+        llm.reset()
+        llm.eval(short)
+        t = time.perf_counter()
+        for _ in range(a["tg"] - 1):
+            llm.eval([rng.randrange(vocab)])
+        tg_s = time.perf_counter() - t
     return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": (a["tg"] - 1) / tg_s,
-            "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024,
+            "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024, "run_peak_rss_mib": run.peak_kib / 1024,
+            "after_run_rss_mib": run.sample() / 1024,
             "decode_bytes_per_token": os.path.getsize(a["model"]), "threads": a["load"].get("threads") or os.cpu_count()}
 
 
@@ -176,7 +182,10 @@ def _summ(vals: list[float]) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
 
 
-METRICS = ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib")
+METRICS = ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib", "run_peak_rss_mib",
+           "after_run_rss_mib")
+# issue 6's memory bound: peak RSS through load, prefill and decode <= weights file + KV budget + this
+RSS_BOUND_SLACK_MIB = 150
 
 
 def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: int | None = None, pp: int = 512,
@@ -227,6 +236,9 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         a["env"] = env
         a["decode_path"] = rs[0].get("decode_path", "llama.cpp")
         a["model"] = next(args["model"] for n, args, _ in runs if n == name)
+        if "kv_budget_mib" in rs[0]:
+            a["rss_bound_mib"] = rs[0]["weights_file_mib"] + rs[0]["kv_budget_mib"] + RSS_BOUND_SLACK_MIB
+            a["kv_budget_mib"] = rs[0]["kv_budget_mib"]
         out_arms[name] = a
     ctrl = out_arms["control"]
     for a in out_arms.values():

@@ -24,8 +24,9 @@ C_MAX_ROWS = 64
 # ... and above it, with prefill_dequant=None (auto), rows32 int4 linears with K >= C_GEMM_MIN_K
 # whose activations pair up for the AVX2 kernel (K and the group multiples of 64) still take the
 # C core's W4A8 GEMM: `python -m sparkq.cli.gemmbench` at 512 rows, against dequantize + fp32
-# GEMM: K=576 0.82x, K=1536 1.10-1.14x, K=2048/6144 1.30-1.61x (README "Prefill").
-C_GEMM_MIN_K = 1024
+# GEMM: K=256 0.96x, K=384 1.10x, K=576 1.11-1.32x, K=1536 1.11-1.27x, K=2048/6144 1.36-1.42x
+# (README "Prefill").
+C_GEMM_MIN_K = 384
 # the user-facing names of prefill_dequant's three values (`--prefill`)
 PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
 
@@ -80,10 +81,12 @@ class Int4Linear:
 
         lib, desc = self.c
         xc = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
-        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        yb = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16) if out_dtype == torch.bfloat16 else None
+        if out_dtype == torch.bfloat16:  # the C core writes bf16 directly (no [M, N] fp32 buffer here)
+            y, yb = None, torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        else:
+            y, yb = torch.empty(x.shape[0], self.n, dtype=torch.float32), None
         if lib.sq_linear_batch(ctypes.byref(desc), xc.data_ptr(), int(xc.dtype == torch.bfloat16), xc.shape[0],
-                               y.data_ptr(), yb.data_ptr() if yb is not None else None):
+                               y.data_ptr() if y is not None else None, yb.data_ptr() if yb is not None else None):
             raise MemoryError(f"{self.name}: C kernel could not allocate its activation buffers")
         if yb is not None:
             return yb

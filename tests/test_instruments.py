@@ -107,10 +107,15 @@ def test_synth_convert_bench(tmp_path):
     r = json.loads(p.stdout)
     assert set(r["arms"]) == {"control", "nodeq", "passive"}
     for a in r["arms"].values():
-        for m in ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib"):
+        for m in ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib", "run_peak_rss_mib",
+                  "after_run_rss_mib"):
             assert a[m]["median"] > 0 and a[m]["min"] <= a[m]["median"] <= a[m]["max"]
         assert a["decode_bytes_per_token"] > 60e6 and 0 < a["decode_pct_of_ceiling"]
         assert a["peak_rss_mib"]["median"] >= a["settled_rss_mib"]["median"]
+        assert a["run_peak_rss_mib"]["median"] >= a["after_run_rss_mib"]["median"]
+        # the memory bound: the weights file (~83 MiB here) + the arm's KV budget + 150 MiB
+        w = sum(f.stat().st_size for f in (tmp_path / "q").glob("*.safetensors")) / 2**20
+        assert a["rss_bound_mib"] == pytest.approx(w + a["kv_budget_mib"] + 150) and 0 < a["kv_budget_mib"] < 10
     assert r["arms"]["control"]["ratio_to_control"]["tg_tok_s"] == 1.0 and r["read_ceiling_gb_s"] > 0
     assert r["arms"]["passive"]["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     bad = run_cli("sparkq", "bench", tmp_path / "q", "--arm", "x=bogus=1")

@@ -2,9 +2,10 @@
 
 Three builds of the same source: ``native`` (-march=native, the AVX2 paths here), ``scalar``
 (portable C) and ``exact`` (portable, fp32 activations: no A8). The W4A8 error budget the
-runtime promises: one product's relative error against fp64 on the same weights below 2%
-(activations int8 per 32 columns), a whole model's held-out KL against fp32 compute on the
-same weights below 0.01 (test_runtime.py), logits within 2.5x of bf16 compute's error
+runtime promises: one product's relative error against fp64 on the same weights below 1%
+(activations int8 per 8 columns; measured 0.57-0.65% with an outlier channel, 0.87-1.2% when
+the scales were per 32 columns), a whole model's held-out KL against fp32 compute on the
+same weights below 0.005 (test_runtime.py), logits within 2.5x of bf16 compute's error
 (test_families.py).
 """
 import ctypes
@@ -75,7 +76,7 @@ def test_products_match_fp64_within_the_a8_budget(case):
     out = {v: _run(_lib(v), L, x).double() for v in ("native", "scalar", "exact")}
     rel = {v: ((y - ref).norm() / ref.norm()).item() for v, y in out.items()}
     assert rel["exact"] < 1e-5, rel
-    budget = 1e-5 if case == "bf16" else 0.02  # bf16 linears multiply fp32 activations
+    budget = 1e-5 if case == "bf16" else 0.01  # bf16 linears multiply fp32 activations
     assert rel["native"] < budget and rel["scalar"] < budget, rel
     # the SIMD and portable builds do the same integer arithmetic: equal up to float summation order
     assert ((out["native"] - out["scalar"]).norm() / ref.norm()).item() < 1e-5, case
@@ -94,6 +95,10 @@ def test_batch_equals_single_products_and_dequant(case):
     assert lib.sq_linear_batch(ctypes.byref(L), Xb.data_ptr(), 1, 13, scratch.data_ptr(), Yb.data_ptr()) == 0
     assert lib.sq_linear_batch(ctypes.byref(L), Xr.data_ptr(), 0, 13, Yr.data_ptr(), None) == 0
     assert torch.equal(Yb, Yr.to(torch.bfloat16))
+    Yn = torch.empty(13, L.n, dtype=torch.bfloat16)  # bf16 out without a caller's fp32 buffer
+    assert lib.sq_linear_batch(ctypes.byref(L), Xb.data_ptr(), 1, 13, None, Yn.data_ptr()) == 0
+    assert torch.equal(Yn, Yb)
+    assert lib.sq_linear_batch(ctypes.byref(L), Xb.data_ptr(), 1, 13, None, None) == -2  # nowhere to write
     single = torch.stack([_run(lib, L, X[t].contiguous()) for t in range(13)])
     if b is not None:  # the batch kernel leaves the bias to its caller
         single -= b.float()
@@ -136,17 +141,25 @@ def test_native_and_scalar_steps_agree_and_positions_are_checked(tiny_tied_art, 
     from sparkq.runtime import load
     from sparkq.runtime.errors import RuntimeUserError
 
-    runs = {}
+    models = {}
     for v in ("native", "scalar"):
         monkeypatch.setenv("SPARKQ_KERNEL", v)
-        m = load(str(tiny_tied_art), max_model_len=32)
-        ids = torch.tensor([5, 70, 200, 9])
-        m.model.forward(ids[:2], 0)
-        runs[v] = torch.cat([m.model.forward(ids[i:i + 1], i) for i in range(2, 4)])
+        models[v] = load(str(tiny_tied_art), max_model_len=32).model
         with pytest.raises(RuntimeUserError, match="beyond the KV cache"):
-            m.model.forward(ids[:1], m.model.cache.capacity)
-    d = (runs["native"] - runs["scalar"]).abs().max() / runs["scalar"].abs().max()
-    assert d < 1e-4, d
+            models[v].forward(torch.tensor([5]), models[v].cache.capacity)
+    nat, sca = models["native"], models["scalar"]
+    ids = torch.tensor([5, 70, 200, 9, 31, 2, 150, 77])
+    nat.forward(ids[:2], 0)
+    d = []
+    for i in range(2, 8):  # each step from the same cache
+        sca.cache.k.copy_(nat.cache.k), sca.cache.v.copy_(nat.cache.v)
+        a, b = nat.forward(ids[i:i + 1], i), sca.forward(ids[i:i + 1], i)
+        d.append(((a - b).abs().max() / b.abs().max()).item())
+    # the same integer arithmetic, float sums in another order: steps agree to ~1e-6, but a
+    # last-bit difference can move an activation across a rounding boundary (an int8 code),
+    # which shifts that step by about one quantization step (measured <= 1%)
+    d.sort()
+    assert d[len(d) // 2] < 1e-4 and d[-1] < 0.03, d
 
 
 def test_build_cache_is_keyed_and_atomic(tmp_path, monkeypatch):

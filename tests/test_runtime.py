@@ -181,7 +181,7 @@ def test_example_paris_chat_and_determinism(example_art):
 
 def test_example_prefill_arms_agree(example_art):
     """prefill_dequant True (fp32/bf16 GEMM on dequantized blocks above 64 rows), None (auto: the
-    C W4A8 GEMM for linears with K >= 1024, here the example's `down`) and False (the
+    C W4A8 GEMM for linears with K >= 384: all of the example's int4 linears) and False (the
     kernel for every row count): the same weights through numerically different paths. All sit close
     to an fp32 reference of the dequantized weights (the W4A8 arms within their stated budget,
     KL < 0.01), and greedy output on a long prompt is identical."""
@@ -195,7 +195,8 @@ def test_example_prefill_arms_agree(example_art):
     off = load(str(example_art), prefill_dequant=False)
     lins = auto.model.lin
     gemm = {n.split(".")[-1] for n, lin in lins.items() if isinstance(lin, Int4Linear) and lin.c_gemm(512)}
-    assert gemm == {"down"}  # K=1536; qkv/o/gate_up have K=576 < C_GEMM_MIN_K and dequantize
+    # every int4 linear (K = 576 and 1536, groups of 64 and 128; the fixture's head is int4 too)
+    assert gemm == {n.split(".")[-1] for n, lin in lins.items() if isinstance(lin, Int4Linear)} >= {"qkv", "down"}
     assert not any(lin.c_gemm(512) for lin in on.model.lin.values() if isinstance(lin, Int4Linear))
     ids = on.tokenizer.encode(corpus.read_text()[:20000])[:300]
     assert len(ids) > KERNEL_MAX_ROWS  # the dequantizing prefill path is exercised
@@ -211,7 +212,8 @@ def test_example_prefill_arms_agree(example_art):
         la = arm.logits(ids)
         kl = torch.nn.functional.kl_div(la.log_softmax(-1), lr, log_target=True, reduction="batchmean").item()
         top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
-        budget = 0.005 if arm is on else 0.01  # W4A8: activations int8 per 32 columns
+        budget = 0.005  # W4A8 (activations int8 per 8 columns) measured 0.0022, fp32 activations 0.0009
+        print("prefill arm", arm.model.lin["layers.0.qkv"].prefill_dequant, "KL", kl, "top-1", top1)
         assert kl < budget and top1 > 0.95, (arm.model.lin["layers.0.qkv"].prefill_dequant, kl, top1)
     assert isinstance(on.model.lin["layers.0.qkv"], Int4Linear)
 
@@ -234,3 +236,12 @@ def test_bf16_checkpoint_errors(tiny_tied, tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(RuntimeUserError, match="config.json"):
         load(str(bad))
+
+
+def test_load_fixes_the_malloc_mmap_threshold(tiny_tied_art):
+    """glibc's growing mmap threshold keeps prefill's multi-MiB buffers on the heap (resident
+    after they are freed); load() pins it at 1 MiB (README "Memory")."""
+    import platform
+    m = load(str(tiny_tied_art), max_model_len=32)
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert m.info.extra["malloc_mmap_threshold"] == 1 << 20

@@ -8,14 +8,15 @@
  * each row K/2 bytes, 32-column blocks of 16 bytes, byte j = q[32b+j] | q[32b+j+16] << 4,
  * with bf16 scales_zeros [K/g, N, 2] and w = (q - 8) * scale + zero.
  *
- * Products are W4A8: the activation vector is quantized per 32-column block to int8
- * (scale = max|x| / 127, round to nearest), the code x activation dot products are
- * exact integers (AVX2 maddubs: unsigned codes x signed activations), and
+ * Products are W4A8: the activation vector is quantized to int8 with one scale per 8 columns
+ * (scale = max|x| / 127, round to nearest; see quantize_act), the code x activation dot
+ * products are exact integers (AVX2 maddubs: unsigned codes x signed activations), and
  *   y[n] = sum_g s[g,n] * (sum_{b in g} xs[b] * (dot(q_b, xq_b) - 8 sum(xq_b))) + z[g,n] * sum_{k in g} x[k]
+ * (b: the 8-column sub-blocks)
  * The -8 offset must use the quantized sums (it belongs to the codes: using exact sums there
  * leaves an uncancelled 8*s*sum(x^ - x) error, measured 4x the A8 KL); the zero term uses
  * the unquantized x, so it carries no activation error.
- * Int8 linears (per-row scale, e.g. the tied head) use the same activation blocks; bf16
+ * Int8 linears (per-row scale, e.g. the tied head) use the same activation scales; bf16
  * linears are multiplied in fp32. Everything between the products (norms, RoPE,
  * attention, activations, residual) is fp32; the KV cache is bf16 and shared with the
  * torch prefill path.
@@ -89,8 +90,7 @@ static inline float hsum8(__m256 v) {
 
 typedef struct {
     int8_t *q;    /* [K] codes; natural column order, or "paired" (see quantize_act) */
-    float *s;     /* [K/32] scale per block */
-    float *s8;    /* [K/32 * 4] paired: per block pair, xs[2p] x4 then xs[2p+1] x4 */
+    float *s8;    /* [K/32 * 4] scale per 8 columns: s8[4b + i] for sub-block i of block b */
     float *gsum;  /* [K/g] exact fp32 sum of x per weight group */
     float *gqsum; /* [K/g] sum of the quantized x per weight group */
     const float *x;
@@ -99,21 +99,26 @@ typedef struct {
 
 static int sq_act_alloc(sq_act *a, int64_t maxk) {
     a->q = malloc(maxk);
-    a->s = malloc(sizeof(float) * (maxk / 32 + 1));
     a->s8 = malloc(sizeof(float) * (maxk / 32 + 2) * 4);
     a->gsum = malloc(sizeof(float) * (maxk / 32 + 1));
     a->gqsum = malloc(sizeof(float) * (maxk / 32 + 1));
-    return a->q && a->s && a->s8 && a->gsum && a->gqsum;
+    return a->q && a->s8 && a->gsum && a->gqsum;
 }
 
 static void sq_act_free(sq_act *a) {
-    free(a->q); free(a->s); free(a->s8); free(a->gsum); free(a->gqsum);
+    free(a->q); free(a->s8); free(a->gsum); free(a->gqsum);
 }
 
-/* Quantize x [k] per 32-column block for a product with L. For an int4 L on AVX2 with
- * K % 64 == 0 and g % 64 == 0 the codes go in "paired" order: for block pair p,
- * bytes 64p..64p+31 hold columns 0..15 of blocks 2p and 2p+1, bytes 64p+32..63 their
- * columns 16..31 -- the order in which one 32-byte load of two weight blocks yields its
+/* Quantize x [k] for a product with L, one int8 scale per 8 columns (a->s8[4b + i]):
+ * sub-block i of 32-column block b holds columns 4i..4i+3 and 16+4i..16+4i+3. Those are the
+ * eight activations that meet one 32-bit lane of the AVX2 products (int4: the four low and
+ * four high nibbles of weight bytes 4i..4i+3; int8: lanes i and i + 4), so the scales cost
+ * the products nothing; against one scale per 32 columns they cut the A8 error of a product
+ * with an outlier channel from ~1% to ~0.6% and the example's W4A8 KL excess 3-fold
+ * (README "Prefill").
+ * For an int4 L on AVX2 with K % 64 == 0 and g % 64 == 0 the codes go in "paired" order: for
+ * block pair p, bytes 64p..64p+31 hold columns 0..15 of blocks 2p and 2p+1, bytes 64p+32..63
+ * their columns 16..31 -- the order in which one 32-byte load of two weight blocks yields its
  * low and high nibbles. */
 static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
     const int64_t k = L->k, G = L->kind == KIND_INT4 ? L->g : 32;
@@ -127,31 +132,40 @@ static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
         int8_t *dst = a->q + (a->paired ? 64 * (b / 2) + 16 * (b % 2) : 32 * b);
-        float amax = 0.f, sum = 0.f, d;
-        int32_t qs = 0;
+        float d[4] = {0.f, 0.f, 0.f, 0.f}, sum = 0.f;
+        int32_t qs[4] = {0, 0, 0, 0};
 #ifdef SQ_AVX2
         /* the same arithmetic as the portable loop below (cvtps rounds half to even, as lrintf) */
-        __m256 v[4], ab = _mm256_setzero_ps(), sv = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 v[4], ab[4];
+        const __m256 sign = _mm256_set1_ps(-0.f), c127 = _mm256_set1_ps(127.f);
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(xb + 8 * i);
-            ab = _mm256_max_ps(ab, _mm256_andnot_ps(sign, v[i]));
+            ab[i] = _mm256_andnot_ps(sign, v[i]);
         }
-        sv = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(ab), _mm256_extractf128_ps(ab, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        amax = _mm_cvtss_f32(m4);
-        sum = hsum8(sv);
-        d = amax / 127.f;
-        const __m256 idv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], idv));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], idv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], idv));
-        __m256i is = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        qs = _mm_cvtsi128_si32(s4);
+        sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        /* m02: lanes 0-3 = columns 0-3 and 16-19 (sub-block 0), 4-7 = sub-block 1; m13: 2 and 3 */
+        __m256 m02 = _mm256_max_ps(ab[0], ab[2]), m13 = _mm256_max_ps(ab[1], ab[3]);
+        m02 = _mm256_max_ps(m02, _mm256_permute_ps(m02, 0x4e));
+        m02 = _mm256_max_ps(m02, _mm256_permute_ps(m02, 0xb1));
+        m13 = _mm256_max_ps(m13, _mm256_permute_ps(m13, 0x4e));
+        m13 = _mm256_max_ps(m13, _mm256_permute_ps(m13, 0xb1));
+        const __m256 id02 = _mm256_and_ps(_mm256_div_ps(c127, m02), _mm256_cmp_ps(m02, _mm256_setzero_ps(), _CMP_GT_OQ));
+        const __m256 id13 = _mm256_and_ps(_mm256_div_ps(c127, m13), _mm256_cmp_ps(m13, _mm256_setzero_ps(), _CMP_GT_OQ));
+        float dv[16];
+        _mm256_storeu_ps(dv, _mm256_div_ps(m02, c127));
+        _mm256_storeu_ps(dv + 8, _mm256_div_ps(m13, c127));
+        d[0] = dv[0], d[1] = dv[4], d[2] = dv[8], d[3] = dv[12];
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id02)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id13));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id02)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id13));
+        __m256i s02 = _mm256_add_epi32(i0, i2), s13 = _mm256_add_epi32(i1, i3);
+        s02 = _mm256_add_epi32(s02, _mm256_shuffle_epi32(s02, 0x4e));
+        s02 = _mm256_add_epi32(s02, _mm256_shuffle_epi32(s02, 0xb1));
+        s13 = _mm256_add_epi32(s13, _mm256_shuffle_epi32(s13, 0x4e));
+        s13 = _mm256_add_epi32(s13, _mm256_shuffle_epi32(s13, 0xb1));
+        int32_t qv[16];
+        _mm256_storeu_si256((__m256i *)qv, s02);
+        _mm256_storeu_si256((__m256i *)(qv + 8), s13);
+        qs[0] = qv[0], qs[1] = qv[4], qs[2] = qv[8], qs[3] = qv[12];
         __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         if (a->paired) {
@@ -161,24 +175,27 @@ static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
             _mm256_storeu_si256((__m256i *)dst, q8);
         }
 #else
+        float amax[4] = {0.f, 0.f, 0.f, 0.f}, id[4];
         for (int j = 0; j < 32; j++) {
+            const int i = (j % 16) / 4;
             float v = fabsf(xb[j]);
-            amax = v > amax ? v : amax;
+            amax[i] = v > amax[i] ? v : amax[i];
             sum += xb[j];
         }
-        d = amax / 127.f;
-        float id = amax > 0.f ? 127.f / amax : 0.f;
+        for (int i = 0; i < 4; i++) {
+            d[i] = amax[i] / 127.f;
+            id[i] = amax[i] > 0.f ? 127.f / amax[i] : 0.f;
+        }
         for (int j = 0; j < 32; j++) {
-            int8_t v = (int8_t)lrintf(xb[j] * id);
-            qs += v;
+            const int i = (j % 16) / 4;
+            int8_t v = (int8_t)lrintf(xb[j] * id[i]);
+            qs[i] += v;
             dst[j] = v;
         }
 #endif
-        a->s[b] = d;
-        if (a->paired)
-            for (int j = 0; j < 4; j++) a->s8[8 * (b / 2) + 4 * (b % 2) + j] = d;
+        for (int i = 0; i < 4; i++) a->s8[4 * b + i] = d[i];
         a->gsum[32 * b / G] += sum;
-        a->gqsum[32 * b / G] += d * (float)qs;
+        a->gqsum[32 * b / G] += d[0] * (float)qs[0] + d[1] * (float)qs[1] + d[2] * (float)qs[2] + d[3] * (float)qs[3];
     }
 }
 
@@ -239,7 +256,7 @@ static inline __attribute__((always_inline)) void int8_rows_r(const sq_linear *L
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 32; b++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
-        const __m256 xs = _mm256_set1_ps(a->s[b]);
+        const __m256 xs = _mm256_broadcast_ps((const __m128 *)(a->s8 + 4 * b)); /* lanes i, i + 4: sub-block i */
         for (int r = 0; r < R; r++) {
             __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * K + 32 * b));
             _mm_prefetch((const char *)(w + (r + 2 * R) * K + 32 * b), _MM_HINT_T0); /* two rows ahead */
@@ -266,11 +283,13 @@ static void rows_int4_c(const sq_linear *L, const sq_act *a, float *y, int64_t r
             const uint16_t *p = L->sz + 2 * (gi * N + n);
             float s = bf(p[0]), z = bf(p[1]), gacc = 0.f;
             for (int64_t b = gi * bpg; b < (gi + 1) * bpg; b++) {
-                int32_t d = 0;
                 const uint8_t *wb = w + 16 * b;
                 const int8_t *xb = a->q + 32 * b;
-                for (int j = 0; j < 16; j++) d += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[j + 16];
-                gacc += (float)d * a->s[b];
+                for (int i = 0; i < 4; i++) { /* sub-block i: its own activation scale */
+                    int32_t d = 0;
+                    for (int j = 4 * i; j < 4 * i + 4; j++) d += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[j + 16];
+                    gacc += (float)d * a->s8[4 * b + i];
+                }
             }
             acc += gacc * s + z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
         }
@@ -285,9 +304,11 @@ static void rows_int8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r
         const int8_t *w = (const int8_t *)L->q + n * K;
         float acc = 0.f;
         for (int64_t b = 0; b < K / 32; b++) {
-            int32_t d = 0;
-            for (int j = 0; j < 32; j++) d += w[32 * b + j] * a->q[32 * b + j];
-            acc += (float)d * a->s[b];
+            for (int i = 0; i < 4; i++) { /* sub-block i: its own activation scale */
+                int32_t d = 0;
+                for (int j = 4 * i; j < 4 * i + 4; j++) d += w[32 * b + j] * a->q[32 * b + j] + w[32 * b + j + 16] * a->q[32 * b + j + 16];
+                acc += (float)d * a->s8[4 * b + i];
+            }
         }
         y[n] = acc * bf(L->sz[n]);
     }
@@ -413,13 +434,13 @@ static void linear(const sq_linear *L, const float *x, sq_act *a, float *y) {
 #endif
 
 #ifdef SQ_AVX2
-/* Y[t, n] for tokens t0..t0+T over the weight groups [g0, g1) (stored, or added to what an
- * earlier column chunk stored); s = fp32 weight scales of row n [groups]; PPG = 64-column
- * steps per group (compile-time: g = 64, 128, 256) */
+/* Y[t * ldy + col] = row n of L times the activations of token t, for tokens t0..t0+T over
+ * the weight groups [g0, g1) (stored, or added to what an earlier column chunk stored);
+ * s = fp32 weight scales of row n [groups]; PPG = 64-column steps per group (compile-time:
+ * g = 64, 128, 256) */
 static inline __attribute__((always_inline)) void int4_tile(const sq_linear *L, const sq_act *a, const float *s,
-                                                            float *Y, int64_t n, int64_t t0, int64_t g0, int64_t g1,
-                                                            int add, const int T, const int PPG) {
-    const int64_t N = L->n;
+                                                            float *Y, int64_t ldy, int64_t col, int64_t n, int64_t t0,
+                                                            int64_t g0, int64_t g1, int add, const int T, const int PPG) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t *xq[TT];
     const float *xs8[TT];
@@ -445,57 +466,88 @@ static inline __attribute__((always_inline)) void int4_tile(const sq_linear *L, 
         const __m256 sv = _mm256_broadcast_ss(s + gi);
         for (int t = 0; t < T; t++) acc[t] = _mm256_fmadd_ps(gacc[t], sv, acc[t]);
     }
+    if (T == 4) { /* the four sums in one vector: three hadds instead of four hsum8 */
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        float r[4];
+        _mm_storeu_ps(r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        for (int t = 0; t < 4; t++) {
+            float *o = Y + (t0 + t) * ldy + col;
+            *o = add ? *o + r[t] : r[t];
+        }
+        return;
+    }
     for (int t = 0; t < T; t++) {
-        float *o = Y + (t0 + t) * N + n;
+        float *o = Y + (t0 + t) * ldy + col;
         *o = add ? *o + hsum8(acc[t]) : hsum8(acc[t]);
     }
 }
 
+/* Y[t * ldy + n - n0]: tiles for rows [n0, n1) and all M tokens */
 static inline __attribute__((always_inline)) void int4_tiles(const sq_linear *L, const sq_act *a, int64_t M,
-                                                             const float *sw, float *Y, int64_t n0, int64_t n1,
-                                                             int64_t g0, int64_t g1, int add, const int PPG) {
+                                                             const float *sw, float *Y, int64_t ldy, int64_t n0,
+                                                             int64_t n1, int64_t g0, int64_t g1, int add, const int PPG) {
     const int64_t ng = L->k / L->g;
     int64_t t = 0;
     for (; t + TT <= M; t += TT)
-        for (int64_t n = n0; n < n1; n++) int4_tile(L, a, sw + (n - n0) * ng, Y, n, t, g0, g1, add, TT, PPG);
+        for (int64_t n = n0; n < n1; n++) int4_tile(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, g0, g1, add, TT, PPG);
     for (; t < M; t++)
-        for (int64_t n = n0; n < n1; n++) int4_tile(L, a, sw + (n - n0) * ng, Y, n, t, g0, g1, add, 1, PPG);
+        for (int64_t n = n0; n < n1; n++) int4_tile(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, g0, g1, add, 1, PPG);
 }
 
-/* rows [n0, n1) of Y for all M tokens; buf: (n1 - n0) * 3 * groups floats. Columns go in
- * chunks of KC_BYTES of int8 activations per token. */
+/* 8 fp32 -> 8 bf16, round to nearest even (NaN stays NaN), as to_bf */
+static inline __m128i to_bf8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* rows [n0, n1) of the output for all M tokens: fp32 into Y [M, N], or, with ybf, bf16 into
+ * ybf [M, N] through yblk [M, n1 - n0] (fp32 scratch); buf: (n1 - n0) * 3 * groups floats.
+ * Columns go in chunks of KC_BYTES of int8 activations per token. The zero and -8 terms are
+ * added after the tiles, 8 rows at a time (per token: 2 FMAs per group for 8 outputs). */
 static void int4_gemm_block(const sq_linear *L, const sq_act *a, int64_t M, float *Y, uint16_t *ybf, int64_t n0,
-                            int64_t n1, float *buf) {
-    const int64_t N = L->n, ng = L->k / L->g, ppg = L->g / 64;
-    float *sw = buf, *zc = buf + (n1 - n0) * ng; /* zc: per row, z[g] then -8 s[g] */
+                            int64_t n1, float *buf, float *yblk) {
+    const int64_t N = L->n, ng = L->k / L->g, ppg = L->g / 64, nb = n1 - n0;
+    float *sw = buf, *zt = buf + nb * ng; /* zt: [2 ng][nb], z[g] rows then -8 s[g] rows */
+    float *Yw = ybf ? yblk : Y + n0; /* row t of the block's output at Yw + t * ldy */
+    const int64_t ldy = ybf ? nb : N;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t g = 0; g < ng; g++) {
             const float s = bf(L->sz[2 * (g * N + n)]), z = bf(L->sz[2 * (g * N + n) + 1]);
             sw[(n - n0) * ng + g] = s;
-            zc[(n - n0) * 2 * ng + g] = z;
-            zc[(n - n0) * 2 * ng + ng + g] = -8.f * s;
+            zt[g * nb + n - n0] = z;
+            zt[(ng + g) * nb + n - n0] = -8.f * s;
         }
     const int64_t gc = KC_BYTES / L->g > 0 ? KC_BYTES / L->g : 1; /* groups per column chunk */
     for (int64_t g0 = 0; g0 < ng; g0 += gc) {
         const int64_t g1 = g0 + gc < ng ? g0 + gc : ng;
-        if (ppg == 1) int4_tiles(L, a, M, sw, Y, n0, n1, g0, g1, g0 > 0, 1);
-        else if (ppg == 2) int4_tiles(L, a, M, sw, Y, n0, n1, g0, g1, g0 > 0, 2);
-        else int4_tiles(L, a, M, sw, Y, n0, n1, g0, g1, g0 > 0, 4);
+        if (ppg == 1) int4_tiles(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 1);
+        else if (ppg == 2) int4_tiles(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 2);
+        else int4_tiles(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 4);
     }
-    for (int64_t t = 0; t < M; t++)
-        for (int64_t n = n0; n < n1; n++) {
-            const float *zr = zc + (n - n0) * 2 * ng, *gs = a[t].gsum, *gq = a[t].gqsum;
-            __m256 v = _mm256_setzero_ps();
-            int64_t g = 0;
-            for (; g + 8 <= ng; g += 8) {
-                v = _mm256_fmadd_ps(_mm256_loadu_ps(zr + g), _mm256_loadu_ps(gs + g), v);
-                v = _mm256_fmadd_ps(_mm256_loadu_ps(zr + ng + g), _mm256_loadu_ps(gq + g), v);
+    for (int64_t t = 0; t < M; t++) {
+        const float *gs = a[t].gsum, *gq = a[t].gqsum;
+        float *y = Yw + t * ldy;
+        int64_t j = 0;
+        for (; j + 8 <= nb; j += 8) {
+            __m256 v = _mm256_loadu_ps(y + j);
+            for (int64_t g = 0; g < ng; g++) {
+                v = _mm256_fmadd_ps(_mm256_loadu_ps(zt + g * nb + j), _mm256_broadcast_ss(gs + g), v);
+                v = _mm256_fmadd_ps(_mm256_loadu_ps(zt + (ng + g) * nb + j), _mm256_broadcast_ss(gq + g), v);
             }
-            float acc = hsum8(v);
-            for (; g < ng; g++) acc += zr[g] * gs[g] + zr[ng + g] * gq[g];
-            if (ybf) ybf[t * N + n] = to_bf(Y[t * N + n] + acc);
-            else Y[t * N + n] += acc;
+            if (ybf) _mm_storeu_si128((__m128i *)(ybf + t * N + n0 + j), to_bf8(v));
+            else _mm256_storeu_ps(y + j, v);
         }
+        for (; j < nb; j++) {
+            float acc = y[j];
+            for (int64_t g = 0; g < ng; g++) acc += zt[g * nb + j] * gs[g] + zt[(ng + g) * nb + j] * gq[g];
+            if (ybf) ybf[t * N + n0 + j] = to_bf(acc);
+            else y[j] = acc;
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linear *L, const sq_act *a, float *Y,
@@ -512,7 +564,7 @@ static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linea
             const sq_act *x = a + t0 + t;
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
             __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(x->s[b]), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_broadcast_ps((const __m128 *)(x->s8 + 4 * b)), acc[t]);
         }
     }
     const float sc = bf(L->sz[n]);
@@ -521,16 +573,18 @@ static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linea
 #endif
 
 /* Y [M, N] = X [M, K] times L (no bias). X is fp32, or bf16 when x_bf16 (converted row by row
- * as it is quantized); Y is fp32 and, when ybf is not NULL, only scratch: the result is
- * written to ybf as bf16 (round to nearest even, as torch). Returns 0, or -1 when out of memory. */
+ * as it is quantized). The result goes to Y (fp32) or, when ybf is not NULL, to ybf as bf16
+ * (round to nearest even, as torch); Y may then be NULL: the int4 GEMM converts each row
+ * block from a per-thread scratch, the other paths from an [M, N] fp32 buffer they allocate
+ * (a given Y is used as that buffer). Returns 0, or -1 when out of memory. */
 int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf) {
     const int64_t K = L->k, N = L->n;
-    if (L->kind == KIND_BF16) return -2;
+    if (L->kind == KIND_BF16 || (!Y && !ybf)) return -2;
     sq_act *a = calloc(M, sizeof(sq_act));
     int8_t *qbuf = malloc(M * K);
-    float *fbuf = malloc(sizeof(float) * M * (K / 32 + 2) * 8);
+    float *fbuf = malloc(sizeof(float) * M * (K / 32 + 1) * 6); /* gsum, gqsum, s8 per token */
     if (!a || !qbuf || !fbuf) { free(a); free(qbuf); free(fbuf); return -1; }
-    const int64_t fs = (K / 32 + 2) * 8;
+    const int64_t fs = (K / 32 + 1) * 6;
     int oom = 0;
 #pragma omp parallel
     {
@@ -543,10 +597,9 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
         for (int64_t t = 0; t < M; t++) {
             float *f = fbuf + t * fs;
             a[t].q = qbuf + t * K;
-            a[t].s = f;
-            a[t].gsum = f + (K / 32 + 1);
-            a[t].gqsum = f + 2 * (K / 32 + 1);
-            a[t].s8 = f + 3 * (K / 32 + 1);
+            a[t].gsum = f;
+            a[t].gqsum = f + (K / 32 + 1);
+            a[t].s8 = f + 2 * (K / 32 + 1);
             const float *x = (const float *)X + t * K;
             if (x_bf16) {
                 if (!row) continue;
@@ -562,46 +615,64 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
     int fused = 0; /* the int4 GEMM writes ybf itself */
 #ifdef SQ_AVX2
     if (L->kind == KIND_INT4 && a[0].paired) {
-        int64_t nc = NCB_BYTES / (K / 2);
+        /* blocks of at most NCB_BYTES of weights (16-row multiples), as many as a multiple of
+         * the thread count so that every thread gets the same number of rows */
+        int64_t nc = NCB_BYTES / (K / 2), nthr = 1;
+#ifdef _OPENMP
+        nthr = omp_get_max_threads();
+#endif
         nc = nc < 16 ? 16 : nc - nc % 16;
-        const int64_t nblocks = (N + nc - 1) / nc;
+        int64_t nblocks = (N + nc - 1) / nc;
+        nblocks = (nblocks + nthr - 1) / nthr * nthr;
+        nc = ((N + nblocks - 1) / nblocks + 15) / 16 * 16;
+        nblocks = (N + nc - 1) / nc;
 #pragma omp parallel
         {
             float *buf = malloc(sizeof(float) * nc * 3 * (K / L->g));
-            if (!buf) {
+            float *yblk = ybf ? malloc(sizeof(float) * M * nc) : NULL;
+            if (!buf || (ybf && !yblk)) {
 #pragma omp atomic write
                 oom = 1;
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t b = 0; b < nblocks; b++)
-                if (buf) int4_gemm_block(L, a, M, Y, ybf, b * nc, (b + 1) * nc < N ? (b + 1) * nc : N, buf);
+                if (buf && (yblk || !ybf))
+                    int4_gemm_block(L, a, M, Y, ybf, b * nc, (b + 1) * nc < N ? (b + 1) * nc : N, buf, yblk);
             free(buf);
+            free(yblk);
         }
         fused = 1;
-    } else if (L->kind == KIND_INT8) {
-#pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            int64_t t = 0;
-            for (; t + TB <= M; t += TB) int8_row_tokens(L, a, Y, n, t, TB);
-            for (; t < M; t++) int8_row_tokens(L, a, Y, n, t, 1);
-        }
-    } else
+    }
 #endif
-    {
+    float *own = NULL; /* the fp32 result buffer of the other paths when only ybf was given */
+    if (!fused && !Y && !(Y = own = malloc(sizeof(float) * M * N))) oom = 1;
+    if (!fused && Y) {
+#ifdef SQ_AVX2
+        if (L->kind == KIND_INT8) {
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < M; t++) {
+            for (int64_t n = 0; n < N; n++) {
+                int64_t t = 0;
+                for (; t + TB <= M; t += TB) int8_row_tokens(L, a, Y, n, t, TB);
+                for (; t < M; t++) int8_row_tokens(L, a, Y, n, t, 1);
+            }
+        } else
+#endif
+        {
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < M; t++) {
 #ifndef SQ_AVX2
-            if (L->kind == KIND_INT8) rows_int8_c(L, &a[t], Y + t * N, 0, N);
-            else
+                if (L->kind == KIND_INT8) rows_int8_c(L, &a[t], Y + t * N, 0, N);
+                else
 #endif
-            rows_int4_c(L, &a[t], Y + t * N, 0, N);
+                rows_int4_c(L, &a[t], Y + t * N, 0, N);
+            }
+        }
+        if (ybf) {
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < M * N; i++) ybf[i] = to_bf(Y[i]);
         }
     }
-    if (ybf && !fused) {
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < M * N; i++) ybf[i] = to_bf(Y[i]);
-    }
-    free(a); free(qbuf); free(fbuf);
+    free(own); free(a); free(qbuf); free(fbuf);
     return oom ? -1 : 0;
 }
 
