@@ -24,8 +24,8 @@ C_MAX_ROWS = 64
 # ... and above it, with prefill_dequant=None (auto), rows32 int4 linears with K >= C_GEMM_MIN_K
 # whose activations pair up for the AVX2 kernel (K and the group multiples of 64) still take the
 # C core's W4A8 GEMM: `python -m sparkq.cli.gemmbench` at 512 rows, against dequantize + fp32
-# GEMM: K=256 0.96x, K=384 1.10x, K=576 1.11-1.32x, K=1536 1.11-1.27x, K=2048/6144 1.36-1.42x
-# (README "Prefill").
+# GEMM, over three runs: K=256 0.96x, K=384 1.10-1.25x, K=576 1.11-1.32x, K=1536 1.11-1.29x,
+# K=2048/6144 1.32-1.46x (README "Prefill").
 C_GEMM_MIN_K = 384
 # the user-facing names of prefill_dequant's three values (`--prefill`)
 PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
