@@ -109,7 +109,8 @@ def _child_sparkq(a: dict) -> dict:
         pp_s = time.perf_counter() - t
         list(m.stream_ids(short, max_new_tokens=a["tg"], stop_ids=[]))
     st = m.last_stats
-    art = sum(os.path.getsize(os.path.join(a["model"], f)) for f in os.listdir(a["model"]) if f.endswith(".safetensors"))
+    d = a["model"] if os.path.isdir(a["model"]) else ""  # a Hub repo id: no bound reported
+    art = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors")) if d else 0
     return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": st.decode_tok_s,
             "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024, "run_peak_rss_mib": run.peak_kib / 1024,
             "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20,
@@ -236,7 +237,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         a["env"] = env
         a["decode_path"] = rs[0].get("decode_path", "llama.cpp")
         a["model"] = next(args["model"] for n, args, _ in runs if n == name)
-        if "kv_budget_mib" in rs[0]:
+        if rs[0].get("weights_file_mib"):
             a["rss_bound_mib"] = rs[0]["weights_file_mib"] + rs[0]["kv_budget_mib"] + RSS_BOUND_SLACK_MIB
             a["kv_budget_mib"] = rs[0]["kv_budget_mib"]
         out_arms[name] = a
