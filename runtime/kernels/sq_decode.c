@@ -236,9 +236,9 @@ static inline void int4_row(const sq_linear *L, const sq_act *a, float *y, int64
  * prefetched (at least 2 rows), and the scales/zeros of the chunk 32 rows on prefetched up
  * front -- they are [K/g, N, 2], one cache line per group every 16 rows, K/g streams that the
  * hardware prefetcher does not follow. Measured, whole decode step (median of 32 steps,
- * interleaved builds, 2-3 rounds): Qwen3-1.7B shape 9.5-10.5 tok/s with the previous 4 rows at a
+ * interleaved builds, 2-3 rounds): Qwen3-1.7B shape 8.9-10.5 tok/s with the previous 4 rows at a
  * time and a one-block prefetch, 10.3-11.2 one row with 2 rows ahead, 11.2-13.7 adding the
- * scale prefetch; example 88-103 -> 97-105 (2 rows ahead) / 106-111 (4 rows = 1152 bytes). */
+ * scale prefetch; example 88-105 -> 97-105 (2 rows ahead) / 100-111 (4 rows = 1152 bytes). */
 static void rows_int4_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2;
     const int64_t ahead = (1024 + rb - 1) / rb > 2 ? (1024 + rb - 1) / rb : 2;
