@@ -89,7 +89,7 @@ def speed_table(res: dict) -> list[str]:
             def f(m, fmt):
                 return f"{format(a[m]['median'], fmt)} [{format(a[m]['min'], fmt)}..{format(a[m]['max'], fmt)}]"
             ratio = (lambda m: f"{a[m]['median'] / base[m]['median']:.2f}x") if base else (lambda m: "-")
-            path = a.get("decode_path") or "?"
+            path = (a.get("decode_path") or "?") + (f"; prefill {a['prefill_path']}" if a.get("prefill_path") else "")
             L.append(f"| {label} | {n}: {path} | {f('tg_tok_s', '.1f')} | {f('pp_tok_s', '.0f')} | "
                      f"{a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {ratio('tg_tok_s')} | {ratio('pp_tok_s')} | "
                      f"{a['load_s']['median']:.3f} | {a['peak_rss_mib']['median']:.0f} / {a['run_peak_rss_mib']['max']:.0f}"

@@ -252,7 +252,8 @@ def generate(
     typer.echo(f"\n[load {m.info.load_seconds:.2f} s | prefill {st.prompt_tokens} tok {st.prefill_tok_s:.1f} tok/s | "
                f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | RSS anon {rss['RssAnon']:.0f} MiB + "
                f"file {rss['RssFile']:.0f} MiB (peak {rss['VmHWM']:.0f}) | threads {torch_threads()} | "
-               f"layout {m.info.layout or 'bf16 checkpoint'} | decode path {m.info.extra.get('decode_path', '?')}]", err=True)
+               f"layout {m.info.layout or 'bf16 checkpoint'} | decode path {m.info.extra.get('decode_path', '?')} | "
+               f"prefill path {m.info.extra.get('prefill_path', '?')}]", err=True)
 
 
 def torch_threads() -> int:
@@ -413,7 +414,7 @@ def format_bench(r: dict) -> str:
              f"read ceiling {r['read_ceiling_gb_s']:.1f} GB/s", "",
              f"  | arm | decode tg{r['tg']} tok/s | prefill pp{r['pp']} tok/s | load s | TTFT s | peak / settled RSS MiB "
              f"| run peak / after RSS MiB (bound) | decode GB/s (% ceiling) | decode vs control | prefill vs control "
-             f"| decode path |", "  |---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| decode path; prefill path |", "  |---|---|---|---|---|---|---|---|---|---|---|"]
     for n, a in r["arms"].items():
         def f(m, fmt):
             return f"{format(a[m]['median'], fmt)} [{format(a[m]['min'], fmt)}..{format(a[m]['max'], fmt)}]"
@@ -422,7 +423,8 @@ def format_bench(r: dict) -> str:
                      f"| {a['run_peak_rss_mib']['max']:.0f} / {a['after_run_rss_mib']['median']:.0f}"
                      f"{' (' + format(a['rss_bound_mib'], '.0f') + ')' if 'rss_bound_mib' in a else ''} "
                      f"| {a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {a['ratio_to_control']['tg_tok_s']:.2f}x "
-                     f"| {a['ratio_to_control']['pp_tok_s']:.2f}x | {a.get('decode_path', '?')} |")
+                     f"| {a['ratio_to_control']['pp_tok_s']:.2f}x | {a.get('decode_path', '?')}"
+                     f"{'; prefill ' + a['prefill_path'] if a.get('prefill_path') else ''} |")
     return "\n".join(lines)
 
 

@@ -170,7 +170,7 @@ def _fix_malloc_mmap_threshold() -> bool:
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, prefill_dequant: bool | None = None, verify: bool = False,
-         rope_len_from_config: bool = False, c_decode: bool = True) -> "LoadedModel":
+         rope_len_from_config: bool = False, c_decode: bool = True, c_prefill: bool = True) -> "LoadedModel":
     """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference).
 
     ``max_model_len`` defaults to min(2048, the model's max_position_embeddings); the KV
@@ -179,6 +179,8 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     tables sized from max_position_embeddings, as other runtimes do.
     ``c_decode`` runs decode steps through the C core (runtime/fastpath.py) when the
     model allows it (rows32, int8 or bf16 linears) and a C compiler is present.
+    ``c_prefill`` runs prompts through the C core too (``sq_prefill``) where the C decode path
+    applies, prefill_dequant is auto and every layer linear has a W4A8 GEMM; else the torch model.
     ``prefill_dequant`` picks the prefill product of int4 linears above 64 rows: None (auto) the
     C core's W4A8 GEMM where it applies and pays (rows32, K >= 384, K and group multiples of 64), else dequantize +
     dense GEMM; True always dequantize (weights x fp32 activations, no A8); False always the kernel.
@@ -214,6 +216,9 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
                   rope_len=spec.max_position if rope_len_from_config else None)
     extra = {"hub": hub} if hub else {}
     extra["decode_path"] = _attach_fast(model, c_decode)
+    model.c_prefill = c_prefill
+    extra["prefill_path"] = "c" if model.fast is not None and c_prefill and model.fast.prefill_off is None else \
+        "torch" + (f" ({model.fast.prefill_off})" if model.fast is not None and c_prefill else "")
     extra["malloc_mmap_threshold"] = MALLOC_MMAP_THRESHOLD if fixed else None
     tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
     info = LoadInfo(str(path_or_repo_id), kind, layout, time.perf_counter() - t0, cap, model.cache.nbytes,

@@ -24,7 +24,7 @@ def _auto_bool(v: str) -> bool | None:
     return None if v.lower() == "auto" else _bool(v)
 
 
-LOAD_KEYS = {"prefill_dequant": _auto_bool, "c_decode": _bool, "threads": int,
+LOAD_KEYS = {"prefill_dequant": _auto_bool, "c_decode": _bool, "c_prefill": _bool, "threads": int,
              "kv_budget_mib": float, "max_model_len": int}
 
 
@@ -116,7 +116,7 @@ def _child_sparkq(a: dict) -> dict:
             "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20,
             "kv_budget_mib": m.model.cache.nbytes / 2**20,
             "decode_bytes_per_token": decode_bytes_per_token(m), "threads": torch.get_num_threads(),
-            "decode_path": m.info.extra.get("decode_path")}
+            "decode_path": m.info.extra.get("decode_path"), "prefill_path": m.info.extra.get("prefill_path")}
 
 
 def _procmem_without_torch():
@@ -236,6 +236,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         a["decode_pct_of_ceiling"] = 100 * a["decode_gb_s"] / ceiling
         a["env"] = env
         a["decode_path"] = rs[0].get("decode_path", "llama.cpp")
+        a["prefill_path"] = rs[0].get("prefill_path")
         a["model"] = next(args["model"] for n, args, _ in runs if n == name)
         if rs[0].get("weights_file_mib"):
             a["rss_bound_mib"] = rs[0]["weights_file_mib"] + rs[0]["kv_budget_mib"] + RSS_BOUND_SLACK_MIB

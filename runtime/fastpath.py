@@ -4,8 +4,11 @@
 into the artifact's mapping, the KV cache and the RoPE tables; no weight is copied)
 and then runs each decode step as a single call. It applies when every linear is a
 rows32 int4, an int8 or a bf16 linear; artifacts in torch's int4 layouts keep the torch
-path. Prompts go through the torch model, whose rows32/int8 linears call the C products
-(``attach_linears``); both paths share the bf16 KV cache.
+path. Prompts (``FastDecoder.prefill``, ``sq_prefill``) go through the same C core a chunk
+of tokens at a time when every layer linear has a W4A8 GEMM (``prefill_supported``): fp32
+residual and pointwise parts as the decode step, C attention over the cache. Otherwise
+they go through the torch model, whose rows32/int8 linears call the C products
+(``attach_linears``). Every path shares the bf16 KV cache.
 """
 from __future__ import annotations
 
@@ -39,6 +42,28 @@ def supported(model) -> str | None:
             return f"{name}: unsupported linear {type(lin).__name__}"
         if lin.k % 32:
             return f"{name}: K={lin.k} is not a multiple of 32"
+    return None
+
+
+# prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
+# ~24 MiB fp32 for 256 tokens) while each chunk still reads every weight only once
+PREFILL_CHUNK = 256
+
+
+def prefill_supported(model, lib) -> str | None:
+    """None if sq_prefill can run this model's prompts with its GEMM, else why not."""
+    if supported(model):
+        return supported(model)
+    for name, lin in model.lin.items():
+        if not name.startswith("layers."):
+            continue
+        if isinstance(lin, DenseLinear):
+            return f"{name} is bf16 (no W4A8 GEMM)"
+        if isinstance(lin, Int4Linear):
+            if lin.prefill_dequant is not None:
+                return "--prefill kernel/dequant picks the torch prefill"
+            if lib.sq_simd() == 2 and (lin.k % 64 or lin.g % 64):
+                return f"{name}: K={lin.k}, g={lin.g} are not multiples of 64 (the AVX2 GEMM pairs 64 columns)"
     return None
 
 
@@ -95,6 +120,7 @@ class FastDecoder:
             raise MemoryError("sq_work_new failed")
         lib.sq_set_threads(threads)
         self.x = torch.empty(s.hidden, dtype=torch.float32)
+        self.prefill_off = prefill_supported(model, lib)  # None: prompts go through sq_prefill
 
     def __del__(self):
         if getattr(self, "work", None):
@@ -107,3 +133,16 @@ class FastDecoder:
         if self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.data_ptr(), logits.data_ptr()):
             raise IndexError(f"position {pos} is outside the KV cache ({self.m.cap})")
         return logits
+
+    def prefill(self, ids: torch.Tensor, pos0: int, last_only: bool) -> torch.Tensor:
+        """Final-normed hidden states fp32 [T or 1, hidden] of prompt tokens at pos0.. (K/V cached)."""
+        ids = ids.to(torch.int64).contiguous()
+        t = ids.numel()
+        out = torch.empty(1 if last_only else t, self.m.hidden, dtype=torch.float32)
+        rc = self.lib.sq_prefill(ctypes.byref(self.m), ids.data_ptr(), t, int(pos0), PREFILL_CHUNK, out.data_ptr(),
+                                 int(not last_only))
+        if rc == -2:
+            raise IndexError(f"positions {pos0}..{pos0 + t - 1} are outside the KV cache ({self.m.cap})")
+        if rc:
+            raise MemoryError("sq_prefill could not allocate its activation buffers")
+        return out

@@ -105,6 +105,7 @@ class Model:
         self.act = F.silu if spec.act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
         self.embed_mult = torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16) if spec.embed_scale else None
         self.fast = None  # FastDecoder (runtime/fastpath.py) when the C decode step applies
+        self.c_prefill = True  # prompts through the C core too, where fast.prefill_off is None
 
     @property
     def capacity(self) -> int:
@@ -178,6 +179,10 @@ class Model:
                 raise RuntimeUserError(f"position {pos0} is beyond the KV cache ({self.cache.capacity} tokens)")
             logits = self.fast.step(int(ids[0]), pos0)  # top REFINE_TOP logits already exact (C)
             return torch.tanh(logits / s.final_softcap) * s.final_softcap if s.final_softcap else logits
+        if self.fast is not None and self.fast.prefill_off is None and self.c_prefill:
+            self.check_fits(pos0 + ids.numel())
+            x = self.fast.prefill(ids, pos0, last_only)  # fp32, final-normed (C core, runtime/fastpath.py)
+            return self._head(x if getattr(self.head, "c", None) is not None else x.to(torch.bfloat16))
         x = self.embedding.embed(ids)
         if self.embed_mult is not None:
             x = x * self.embed_mult
@@ -192,7 +197,10 @@ class Model:
             x = x + h
         if last_only:
             x = x[-1:]
-        x = rms_norm(x, n["norm.weight"], eps, off).contiguous()
+        return self._head(rms_norm(x, n["norm.weight"], eps, off).contiguous())
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
         logits = self.head(x, out_dtype=torch.float32)
         if self.head.uses_kernel(x.shape[0]):
             self._refine_top(logits, x)

@@ -876,6 +876,50 @@ static void refine_top(const sq_linear *H, const float *x, float *logits, int64_
     for (int c = 0; c < cnt; c++) logits[idx[c]] = (float)exact_row_dot(H, idx[c], x);
 }
 
+#ifdef SQ_AVX2
+/* e^x for x <= 0 (scores minus their max; -g of SiLU is clamped): Cephes' polynomial,
+ * ~2 ulp; below -87.3 the result is 0 */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline __m256 load_bf8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
+    int64_t i = 0;
+#ifdef SQ_AVX2
+    if (act == 0)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gu + i);
+            /* g / (1 + e^-g); e^-g for g < -87 is clamped (the quotient is then -0 or tiny) */
+            const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(87.f)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                                    _mm256_loadu_ps(gu + I + i)));
+        }
+#endif
+    for (; i < I; i++) {
+        const float g = gu[i];
+        out[i] = (act == 0 ? g / (1.f + expf(-g)) : gelu_tanh(g)) * gu[I + i];
+    }
+}
+
 /* One decode step: token at position pos -> logits fp32 [vocab]. x is fp32 [hidden] scratch.
  * Returns 0, or -1 if pos is outside the cache. */
 int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x, float *logits) {
@@ -929,10 +973,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             products(&L->gate_up, &w->a, w->gu);
 #pragma omp single
             {
-                for (int64_t i = 0; i < I; i++) {
-                    float g = w->gu[i];
-                    w->mid[i] = (m->act == 0 ? g / (1.f + expf(-g)) : gelu_tanh(g)) * w->gu[I + i];
-                }
+                silu_mul(w->gu, I, (int)m->act, w->mid);
                 prep(&L->down, w->mid, &w->a);
             }
             products(&L->down, &w->a, w->h);
@@ -952,4 +993,235 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
         refine_top(&m->head, w->xn, logits, m->refine_top);
     }
     return 0;
+}
+
+/* ---- prefill: many tokens through every layer ----------------------------------------------
+ * The same arithmetic as sq_step, for a chunk of tokens at a time: fp32 residual stream and
+ * pointwise parts, W4A8 products through the GEMM (sq_linear_batch), bf16 KV cache, and a
+ * causal (optionally sliding-window) attention over the cache in fp32. */
+
+/* s[i * lds + j] = scale * q_i . K_j for queries i < nq (rows of q, stride ldq) and keys
+ * j in [klo, khi) of one KV head (bf16 [cap, D]): four queries at a time, two accumulators each */
+static void scores(const sq_model *m, const uint16_t *K, const float *q, int64_t ldq, int64_t nq, int64_t klo,
+                   int64_t khi, float scale, float *s, int64_t lds) {
+    const int64_t D = m->head_dim;
+    int64_t i = 0;
+#ifdef SQ_AVX2
+    if (D % 16 == 0)
+        for (; i + 4 <= nq; i += 4) {
+            const float *q0 = q + i * ldq, *q1 = q0 + ldq, *q2 = q1 + ldq, *q3 = q2 + ldq;
+            for (int64_t j = klo; j < khi; j++) {
+                const uint16_t *kr = K + j * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m256 k0 = load_bf8(kr + d), k1 = load_bf8(kr + d + 8);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
+                    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k1, b0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, a1);
+                    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), k1, b1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), k0, a2);
+                    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d + 8), k1, b2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), k0, a3);
+                    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d + 8), k1, b3);
+                }
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1)),
+                                                _mm256_hadd_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)));
+                float r[4];
+                _mm_storeu_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                            _mm_set1_ps(scale)));
+                for (int u = 0; u < 4; u++) s[(i + u) * lds + j] = r[u];
+            }
+        }
+#endif
+    for (; i < nq; i++)
+        for (int64_t j = klo; j < khi; j++) s[i * lds + j] = dot_bf16(K + j * D, q + i * ldq, D) * scale;
+}
+
+#define PQB 8 /* queries per attention work item */
+
+/* att[t, h*D..] for the queries t in [0, T) at positions p0 + t, head by head, over the cache.
+ * qkv: [T, ldq] rows whose first H*D values are the (normed, rotated) queries. sc: per
+ * thread PQB * cap floats. Query t sees keys (p - window, p], all of [0, p] without one. */
+static void attention_many(const sq_model *m, const sq_layer *L, const float *qkv, int64_t ldq, int64_t p0,
+                           int64_t T, float *att, float *scratch) {
+    const int64_t H = m->heads, D = m->head_dim, cap = m->cap, grp = H / m->kv_heads, nqb = (T + PQB - 1) / PQB;
+    const float scale = (float)m->attn_scale;
+#pragma omp parallel
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *sc = scratch + (int64_t)tid * PQB * cap;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < H * nqb; it++) {
+            /* largest blocks first: the causal cost grows with the query position */
+            const int64_t h = it % H, qb = nqb - 1 - it / H, t0 = qb * PQB, t1 = t0 + PQB < T ? t0 + PQB : T;
+            const int64_t nq = t1 - t0;
+            const uint16_t *K = L->kcache + (h / grp) * cap * D, *V = L->vcache + (h / grp) * cap * D;
+            int64_t lo[PQB], hi[PQB], klo = p0 + t1, khi = 0;
+            for (int64_t i = 0; i < nq; i++) {
+                const int64_t p = p0 + t0 + i;
+                hi[i] = p + 1;
+                lo[i] = L->window > 0 && hi[i] > L->window ? hi[i] - L->window : 0;
+                klo = lo[i] < klo ? lo[i] : klo;
+                khi = hi[i] > khi ? hi[i] : khi;
+            }
+            float *s = sc - klo; /* s[i * cap + j] for key j; rows past nq stay 0 */
+            float inv[PQB];
+            scores(m, K, qkv + t0 * ldq + h * D, ldq, nq, klo, khi, scale, s, cap);
+            for (int64_t i = 0; i < PQB; i++) {
+                float *si = s + i * cap, mx = -INFINITY, sum = 0.f;
+                if (i >= nq) {
+                    for (int64_t j = klo; j < khi; j++) si[j] = 0.f;
+                    inv[i] = 0.f;
+                    continue;
+                }
+                for (int64_t j = lo[i]; j < hi[i]; j++) mx = si[j] > mx ? si[j] : mx;
+                int64_t j = lo[i];
+#ifdef SQ_AVX2
+                __m256 vs = _mm256_setzero_ps();
+                const __m256 vm = _mm256_set1_ps(mx);
+                for (; j + 8 <= hi[i]; j += 8) {
+                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + j), vm));
+                    _mm256_storeu_ps(si + j, e);
+                    vs = _mm256_add_ps(vs, e);
+                }
+                sum = hsum8(vs);
+#endif
+                for (; j < hi[i]; j++) { si[j] = expf(si[j] - mx); sum += si[j]; }
+                for (j = klo; j < lo[i]; j++) si[j] = 0.f;
+                for (j = hi[i]; j < khi; j++) si[j] = 0.f;
+                inv[i] = 1.f / sum;
+            }
+            /* out = P V / sum: per 8 columns, the PQB outputs stay in registers over the keys */
+            for (int64_t d0 = 0; d0 < D; d0 += 8) {
+#ifdef SQ_AVX2
+                if (d0 + 8 <= D) {
+                    __m256 acc[PQB];
+                    for (int i = 0; i < PQB; i++) acc[i] = _mm256_setzero_ps();
+                    for (int64_t j = klo; j < khi; j++) {
+                        const __m256 v = load_bf8(V + j * D + d0);
+                        for (int i = 0; i < PQB; i++)
+                            acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + i * cap + j), v, acc[i]);
+                    }
+                    for (int64_t i = 0; i < nq; i++)
+                        _mm256_storeu_ps(att + (t0 + i) * H * D + h * D + d0, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv[i])));
+                    continue;
+                }
+#endif
+                const int64_t d1 = d0 + 8 < D ? d0 + 8 : D;
+                for (int64_t i = 0; i < nq; i++)
+                    for (int64_t d = d0; d < d1; d++) {
+                        float acc = 0.f;
+                        for (int64_t j = klo; j < khi; j++) acc += s[i * cap + j] * bf(V[j * D + d]);
+                        att[(t0 + i) * H * D + h * D + d] = acc * inv[i];
+                    }
+            }
+        }
+    }
+}
+
+/* Y [M, N] = X [M, K] L^T (+ bias), fp32 in and out */
+static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y) {
+    const int64_t K = L->k, N = L->n;
+#ifdef SQ_EXACT
+    const int exact = 1;
+#else
+    const int exact = 0;
+#endif
+    if (exact || L->kind == KIND_BF16) {
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < M; t++) {
+#ifdef SQ_EXACT
+            if (L->kind != KIND_BF16) { rows_exact(L, X + t * K, Y + t * N, 0, N); continue; }
+#endif
+            rows_bf16(L, X + t * K, Y + t * N, 0, N);
+        }
+    } else if (sq_linear_batch(L, X, 0, M, Y, NULL)) {
+        return -1;
+    }
+    if (L->bias)
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t n = 0; n < N; n++) Y[t * N + n] += bf(L->bias[n]);
+    return 0;
+}
+
+/* Tokens [pos0, pos0 + T) of a prompt through every layer, `chunk` tokens at a time (their
+ * K/V go to the cache). out: the final-normed hidden state (fp32 [E]) of every token
+ * (all != 0, out [T, E]) or of the last one. Returns 0, -1 out of memory, -2 beyond the cache. */
+int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk, float *out,
+               int64_t all) {
+    if (T <= 0 || pos0 < 0 || pos0 + T > m->cap) return -2;
+    if (chunk <= 0 || chunk > T) chunk = T;
+    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd), wide = 2 * I > nqkv ? 2 * I : nqkv;
+    const int off = (int)m->norm_offset;
+    int nthr = 1;
+#ifdef _OPENMP
+    nthr = omp_get_max_threads();
+#endif
+    float *x = malloc(sizeof(float) * chunk * E), *xn = malloc(sizeof(float) * chunk * maxk);
+    float *big = malloc(sizeof(float) * chunk * wide), *att = malloc(sizeof(float) * chunk * qd);
+    float *scr = malloc(sizeof(float) * nthr * PQB * m->cap);
+    int rc = (x && xn && big && att && scr) ? 0 : -1;
+    for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
+        const int64_t n = c0 + chunk < T ? chunk : T - c0, p0 = pos0 + c0;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < n; t++) {
+            embed_row(&m->embed, tokens[c0 + t], x + t * E);
+            if (m->embed_mult != 0.0)
+                for (int64_t i = 0; i < E; i++) x[t * E + i] = bf(to_bf(x[t * E + i] * (float)m->embed_mult));
+        }
+        for (int64_t li = 0; li < m->layers && !rc; li++) {
+            const sq_layer *L = &m->layer[li];
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
+            if ((rc = linear_many(&L->qkv, xn, n, big))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) {
+                float *q = big + t * nqkv, *k = q + qd, *v = k + KV * D;
+                const int64_t p = p0 + t;
+                for (int64_t h = 0; h < H + KV; h++) {
+                    float *hv = q + h * D;
+                    if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, off, hv);
+                    rope(hv, L->cos + p * L->rot, L->sin + p * L->rot, L->rot);
+                }
+                for (int64_t h = 0; h < KV; h++)
+                    for (int64_t j = 0; j < D; j++) {
+                        L->kcache[(h * m->cap + p) * D + j] = to_bf(k[h * D + j]);
+                        L->vcache[(h * m->cap + p) * D + j] = to_bf(v[h * D + j]);
+                    }
+            }
+            attention_many(m, L, big, nqkv, p0, n, att, scr);
+            if ((rc = linear_many(&L->o, att, n, xn))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) {
+                float *h = xn + t * E, *xt = x + t * E;
+                if (L->post_attn_norm) rms_norm(h, L->post_attn_norm, E, m->eps, off, h);
+                for (int64_t i = 0; i < E; i++) xt[i] += h[i];
+                rms_norm(xt, L->mlp_norm, E, m->eps, off, h);
+            }
+            if ((rc = linear_many(&L->gate_up, xn, n, big))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) silu_mul(big + t * 2 * I, I, (int)m->act, xn + t * I);
+            if ((rc = linear_many(&L->down, xn, n, big))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) {
+                float *h = big + t * E, *xt = x + t * E;
+                if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, E, m->eps, off, h);
+                for (int64_t i = 0; i < E; i++) xt[i] += h[i];
+            }
+        }
+        if (rc) break;
+        if (all) {
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, m->final_norm, E, m->eps, off, out + (c0 + t) * E);
+        } else if (c0 + n == T) {
+            rms_norm(x + (n - 1) * E, m->final_norm, E, m->eps, off, out);
+        }
+    }
+    free(x); free(xn); free(big); free(att); free(scr);
+    return rc;
 }
