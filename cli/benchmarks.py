@@ -3,7 +3,8 @@
 Runs the product's own commands (listed verbatim in the output) on the bundled example
 (SmolLM2-135M-Instruct) and on a synthetic Qwen3-1.7B shape (random weights, tied), and on the Spark-like hybrid shape (RoPE memory A/B):
 conversion, memory ledger with peak vs settled, fidelity (example only: random weights
-have no meaningful fidelity), and interleaved speed arms: the C decode core (rows32), torch's
+have no meaningful fidelity), and interleaved speed arms: the C core (rows32; prompts through
+sq_prefill, or through the torch model with C products, or dequantize + fp32 GEMM), torch's
 int4 kernel, thread/wait-policy arms, the bf16 reference and, when llama-cpp-python is
 installed, llama.cpp Q4_0 (and Q4_K_M) of the same model.
 """
@@ -122,7 +123,8 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     sh(["spark-convert", ref, aten, "--target", "native", "--method", "minmax", "--force", "--json"], log)
     llama = llama_ggufs(w, gguf, log)
     res["example_bench"] = sh(["sparkq", "bench", art, "--arm", f"torch-int4-kernel=model={aten}",
-                               "--arm", "dequant=prefill_dequant=1", "--arm", "1-thread=threads=1",
+                               "--arm", "torch-prefill=c_prefill=0", "--arm", "dequant=prefill_dequant=1",
+                               "--arm", "1-thread=threads=1",
                                "--arm", "passive-wait=OMP_WAIT_POLICY=passive", "--arm", f"bf16=model={ref}",
                                *[a for g in llama for a in ("--llama-gguf", g)], "--passes", "3", "--json"], log)
     big, big_q = w / "qwen3-1.7b-synth", w / "qwen3-1.7b-synth-int4"
@@ -140,7 +142,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                          "int4, RoPE from config (bad arm)": sh(["sparkq", "memory", big_q, "--rope-len-from-config", "--json"], log),
                          "bf16 reference": sh(["sparkq", "memory", big, "--json"], log)}
     res["big_bench"] = sh(["sparkq", "bench", big_q, "--arm", f"torch-int4-kernel=model={big_aten}",
-                           "--arm", "dequant=prefill_dequant=1",
+                           "--arm", "torch-prefill=c_prefill=0", "--arm", "dequant=prefill_dequant=1",
                            *[a for g in big_llama for a in ("--llama-gguf", g)],
                            "--passes", "3", "--pp", "512", "--tg", "64", "--json"], log)
     hy, hy_q = w / "spark-x2.5-1.7b-synth", w / "spark-x2.5-1.7b-synth-int4"
@@ -162,7 +164,10 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     L += log + ["```", "", "## Speed summary: sparkq vs llama.cpp, same machine, same run", ""]
     L += speed_table(res) + ["", "Each row is one arm of the interleaved `sparkq bench` runs below (2 threads, 3 passes, "
                              "medians [min..max]); llama.cpp runs through llama-cpp-python in its own child process. "
-                             "control = the default rows32 artifact through the C decode core; torch-int4-kernel = the same "
+                             "control = the default rows32 artifact through the C core (decode steps, and prompts "
+                             "through sq_prefill); torch-prefill = prompts through the torch model instead (C W4A8 "
+                             "products, bf16 and torch SDPA between them); dequant = the torch model with dequantize + "
+                             "fp32 GEMM products; torch-int4-kernel = the same "
                              "model packed for torch's `_weight_int4pack_mm_for_cpu`. Decode GB/s = weight bytes read per "
                              "token x tok/s; the ceiling is a streaming read with the same threads. Peak RSS: load = through "
                              "load and a 16-token first answer (median); run = through the pp512 prefill and the decode "
@@ -178,7 +183,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
         L += ["", "### Fidelity (int4 vs bf16 reference, wikitext-2 validation, 2048 tokens)", "",
               "| prefill | top-1 | KL mean | KL p99 | ppl int4 | ppl bf16 | greedy identical | mean first divergence |",
               "|---|---|---|---|---|---|---|---|"]
-        for key, arm in (("example_fidelity", "auto (W4A8, the default)"), ("example_fidelity_dequant", "dequant (fp32 activations)")):
+        for key, arm in (("example_fidelity", "auto (C prefill, W4A8, the default)"), ("example_fidelity_dequant", "dequant (fp32 activations)")):
             if key in res:
                 tf, g = res[key]["teacher_forced"], res[key]["greedy"]
                 L.append(f"| {arm} | {tf['top1_agreement']:.2%} | {tf['kl_mean']:.4f} | {tf['kl_p99']:.4f} | "
