@@ -118,6 +118,9 @@ def test_synth_convert_bench(tmp_path):
         assert a["rss_bound_mib"] == pytest.approx(w + a["kv_budget_mib"] + 150) and 0 < a["kv_budget_mib"] < 10
     assert r["arms"]["control"]["ratio_to_control"]["tg_tok_s"] == 1.0 and r["read_ceiling_gb_s"] > 0
     assert r["arms"]["passive"]["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # prompts through sq_prefill by default; --prefill kernel (prefill_dequant=0) keeps the torch model
+    assert r["arms"]["control"]["prefill_path"] == "c", r["arms"]["control"]
+    assert r["arms"]["nodeq"]["prefill_path"].startswith("torch (--prefill kernel/dequant"), r["arms"]["nodeq"]
     bad = run_cli("sparkq", "bench", tmp_path / "q", "--arm", "x=bogus=1")
     assert bad.returncode == 2 and "bogus" in bad.stderr
 

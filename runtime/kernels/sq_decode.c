@@ -1000,10 +1000,14 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
  * pointwise parts, W4A8 products through the GEMM (sq_linear_batch), bf16 KV cache, and a
  * causal (optionally sliding-window) attention over the cache in fp32. */
 
-/* s[i * lds + j] = scale * q_i . K_j for queries i < nq (rows of q, stride ldq) and keys
- * j in [klo, khi) of one KV head (bf16 [cap, D]): four queries at a time, two accumulators each */
-static void scores(const sq_model *m, const uint16_t *K, const float *q, int64_t ldq, int64_t nq, int64_t klo,
-                   int64_t khi, float scale, float *s, int64_t lds) {
+#define PQB 8 /* queries per attention work item */
+
+/* pt[(j - klo) * PQB + i] = scale * q_i . K_j for queries i < nq (rows of q, stride ldq) and
+ * keys j in [klo, khi) of one KV head (bf16 [cap, D]): the scores of one key for all PQB
+ * queries are contiguous, so the softmax runs across queries in one vector and P.V reads one
+ * cache line per key. Four queries at a time, two accumulators each. */
+static void scores_t(const sq_model *m, const uint16_t *K, const float *q, int64_t ldq, int64_t nq, int64_t klo,
+                     int64_t khi, float scale, float *pt) {
     const int64_t D = m->head_dim;
     int64_t i = 0;
 #ifdef SQ_AVX2
@@ -1026,21 +1030,17 @@ static void scores(const sq_model *m, const uint16_t *K, const float *q, int64_t
                 }
                 const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1)),
                                                 _mm256_hadd_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)));
-                float r[4];
-                _mm_storeu_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
-                                            _mm_set1_ps(scale)));
-                for (int u = 0; u < 4; u++) s[(i + u) * lds + j] = r[u];
+                _mm_storeu_ps(pt + (j - klo) * PQB + i,
+                              _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale)));
             }
         }
 #endif
     for (; i < nq; i++)
-        for (int64_t j = klo; j < khi; j++) s[i * lds + j] = dot_bf16(K + j * D, q + i * ldq, D) * scale;
+        for (int64_t j = klo; j < khi; j++) pt[(j - klo) * PQB + i] = dot_bf16(K + j * D, q + i * ldq, D) * scale;
 }
 
-#define PQB 8 /* queries per attention work item */
-
 /* att[t, h*D..] for the queries t in [0, T) at positions p0 + t, head by head, over the cache.
- * qkv: [T, ldq] rows whose first H*D values are the (normed, rotated) queries. sc: per
+ * qkv: [T, ldq] rows whose first H*D values are the (normed, rotated) queries. scratch: per
  * thread PQB * cap floats. Query t sees keys (p - window, p], all of [0, p] without one. */
 static void attention_many(const sq_model *m, const sq_layer *L, const float *qkv, int64_t ldq, int64_t p0,
                            int64_t T, float *att, float *scratch) {
@@ -1052,48 +1052,57 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *sc = scratch + (int64_t)tid * PQB * cap;
+        float *pt = scratch + (int64_t)tid * PQB * cap;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < H * nqb; it++) {
             /* largest blocks first: the causal cost grows with the query position */
             const int64_t h = it % H, qb = nqb - 1 - it / H, t0 = qb * PQB, t1 = t0 + PQB < T ? t0 + PQB : T;
             const int64_t nq = t1 - t0;
             const uint16_t *K = L->kcache + (h / grp) * cap * D, *V = L->vcache + (h / grp) * cap * D;
-            int64_t lo[PQB], hi[PQB], klo = p0 + t1, khi = 0;
-            for (int64_t i = 0; i < nq; i++) {
-                const int64_t p = p0 + t0 + i;
-                hi[i] = p + 1;
-                lo[i] = L->window > 0 && hi[i] > L->window ? hi[i] - L->window : 0;
-                klo = lo[i] < klo ? lo[i] : klo;
-                khi = hi[i] > khi ? hi[i] : khi;
-            }
-            float *s = sc - klo; /* s[i * cap + j] for key j; rows past nq stay 0 */
-            float inv[PQB];
-            scores(m, K, qkv + t0 * ldq + h * D, ldq, nq, klo, khi, scale, s, cap);
+            int32_t lo[PQB], hi[PQB]; /* visible keys [lo, hi) per query; empty for i >= nq */
+            int64_t klo = p0 + t1, khi = 0;
             for (int64_t i = 0; i < PQB; i++) {
-                float *si = s + i * cap, mx = -INFINITY, sum = 0.f;
-                if (i >= nq) {
-                    for (int64_t j = klo; j < khi; j++) si[j] = 0.f;
-                    inv[i] = 0.f;
-                    continue;
+                const int64_t p = p0 + t0 + i;
+                hi[i] = i < nq ? (int32_t)(p + 1) : 0;
+                lo[i] = i < nq && L->window > 0 && p + 1 > L->window ? (int32_t)(p + 1 - L->window) : 0;
+                if (i < nq) {
+                    klo = lo[i] < klo ? lo[i] : klo;
+                    khi = hi[i] > khi ? hi[i] : khi;
                 }
-                for (int64_t j = lo[i]; j < hi[i]; j++) mx = si[j] > mx ? si[j] : mx;
-                int64_t j = lo[i];
-#ifdef SQ_AVX2
-                __m256 vs = _mm256_setzero_ps();
-                const __m256 vm = _mm256_set1_ps(mx);
-                for (; j + 8 <= hi[i]; j += 8) {
-                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + j), vm));
-                    _mm256_storeu_ps(si + j, e);
-                    vs = _mm256_add_ps(vs, e);
-                }
-                sum = hsum8(vs);
-#endif
-                for (; j < hi[i]; j++) { si[j] = expf(si[j] - mx); sum += si[j]; }
-                for (j = klo; j < lo[i]; j++) si[j] = 0.f;
-                for (j = hi[i]; j < khi; j++) si[j] = 0.f;
-                inv[i] = 1.f / sum;
             }
+            scores_t(m, K, qkv + t0 * ldq + h * D, ldq, nq, klo, khi, scale, pt);
+            /* softmax across the keys, all PQB queries in one vector (masked lanes give 0) */
+            float inv[PQB];
+#ifdef SQ_AVX2
+            {
+                const __m256i vlo = _mm256_loadu_si256((const __m256i *)lo), vhi = _mm256_loadu_si256((const __m256i *)hi);
+                const __m256 ninf = _mm256_set1_ps(-INFINITY);
+                __m256 mx = ninf, sum = _mm256_setzero_ps();
+#define SQ_VALID(j) _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(vlo, _mm256_set1_epi32((int32_t)(j))), \
+                                                            _mm256_cmpgt_epi32(vhi, _mm256_set1_epi32((int32_t)(j)))))
+                for (int64_t j = klo; j < khi; j++)
+                    mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(pt + (j - klo) * PQB), SQ_VALID(j)));
+                for (int64_t j = klo; j < khi; j++) {
+                    float *pj = pt + (j - klo) * PQB;
+                    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(pj), mx)), SQ_VALID(j));
+                    _mm256_storeu_ps(pj, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+#undef SQ_VALID
+                _mm256_storeu_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+            }
+#else
+            for (int i = 0; i < PQB; i++) {
+                float mx = -INFINITY, sum = 0.f;
+                for (int64_t j = lo[i]; j < hi[i]; j++) mx = pt[(j - klo) * PQB + i] > mx ? pt[(j - klo) * PQB + i] : mx;
+                for (int64_t j = klo; j < khi; j++) {
+                    float *e = pt + (j - klo) * PQB + i;
+                    *e = j >= lo[i] && j < hi[i] ? expf(*e - mx) : 0.f;
+                    sum += *e;
+                }
+                inv[i] = sum > 0.f ? 1.f / sum : 0.f;
+            }
+#endif
             /* out = P V / sum: per 8 columns, the PQB outputs stay in registers over the keys */
             for (int64_t d0 = 0; d0 < D; d0 += 8) {
 #ifdef SQ_AVX2
@@ -1102,8 +1111,8 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
                     for (int i = 0; i < PQB; i++) acc[i] = _mm256_setzero_ps();
                     for (int64_t j = klo; j < khi; j++) {
                         const __m256 v = load_bf8(V + j * D + d0);
-                        for (int i = 0; i < PQB; i++)
-                            acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + i * cap + j), v, acc[i]);
+                        const float *pj = pt + (j - klo) * PQB;
+                        for (int i = 0; i < PQB; i++) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(pj + i), v, acc[i]);
                     }
                     for (int64_t i = 0; i < nq; i++)
                         _mm256_storeu_ps(att + (t0 + i) * H * D + h * D + d0, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv[i])));
@@ -1114,7 +1123,7 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
                 for (int64_t i = 0; i < nq; i++)
                     for (int64_t d = d0; d < d1; d++) {
                         float acc = 0.f;
-                        for (int64_t j = klo; j < khi; j++) acc += s[i * cap + j] * bf(V[j * D + d]);
+                        for (int64_t j = klo; j < khi; j++) acc += pt[(j - klo) * PQB + i] * bf(V[j * D + d]);
                         att[(t0 + i) * H * D + h * D + d] = acc * inv[i];
                     }
             }
