@@ -123,8 +123,8 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     sh(["spark-convert", ref, aten, "--target", "native", "--method", "minmax", "--force", "--json"], log)
     llama = llama_ggufs(w, gguf, log)
     res["example_bench"] = sh(["sparkq", "bench", art, "--arm", f"torch-int4-kernel=model={aten}",
-                               "--arm", "torch-prefill=c_prefill=0", "--arm", "dequant=prefill_dequant=1",
-                               "--arm", "1-thread=threads=1",
+                               "--arm", "lite=lite=1", "--arm", "torch-prefill=c_prefill=0",
+                               "--arm", "dequant=prefill_dequant=1", "--arm", "1-thread=threads=1",
                                "--arm", "passive-wait=OMP_WAIT_POLICY=passive", "--arm", f"bf16=model={ref}",
                                *[a for g in llama for a in ("--llama-gguf", g)], "--passes", "3", "--json"], log)
     big, big_q = w / "qwen3-1.7b-synth", w / "qwen3-1.7b-synth-int4"
@@ -142,7 +142,8 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                          "int4, RoPE from config (bad arm)": sh(["sparkq", "memory", big_q, "--rope-len-from-config", "--json"], log),
                          "bf16 reference": sh(["sparkq", "memory", big, "--json"], log)}
     res["big_bench"] = sh(["sparkq", "bench", big_q, "--arm", f"torch-int4-kernel=model={big_aten}",
-                           "--arm", "torch-prefill=c_prefill=0", "--arm", "dequant=prefill_dequant=1",
+                           "--arm", "lite=lite=1", "--arm", "torch-prefill=c_prefill=0",
+                           "--arm", "dequant=prefill_dequant=1",
                            *[a for g in big_llama for a in ("--llama-gguf", g)],
                            "--passes", "3", "--pp", "512", "--tg", "64", "--json"], log)
     hy, hy_q = w / "spark-x2.5-1.7b-synth", w / "spark-x2.5-1.7b-synth-int4"
@@ -165,7 +166,8 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     L += speed_table(res) + ["", "Each row is one arm of the interleaved `sparkq bench` runs below (2 threads, 3 passes, "
                              "medians [min..max]); llama.cpp runs through llama-cpp-python in its own child process. "
                              "control = the default rows32 artifact through the C core (decode steps, and prompts "
-                             "through sq_prefill); torch-prefill = prompts through the torch model instead (C W4A8 "
+                             "through sq_prefill); lite = the same C core in the torch-free runtime (`sparkq generate --lite`, "
+                             "numpy + ctypes, torch never imported); torch-prefill = prompts through the torch model instead (C W4A8 "
                              "products, bf16 and torch SDPA between them); dequant = the torch model with dequantize + "
                              "fp32 GEMM products; torch-int4-kernel = the same "
                              "model packed for torch's `_weight_int4pack_mm_for_cpu`. Decode GB/s = weight bytes read per "

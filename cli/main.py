@@ -225,12 +225,21 @@ def generate(
     prefill: str = typer.Option("auto", "--prefill", help="prompt products of int4 linears above 64 rows: auto "
                                 "(the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant (fp32 activations, no A8)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token ids, stats)"),
+    lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (rows32 artifacts, C core, numpy): "
+                              "~200 MiB less memory; prompts always through the C prefill"),
 ):
     """Generate text; streams tokens, then prints one stats line."""
-    from sparkq.runtime import load
+    if lite:
+        from sparkq.runtime import load_lite
 
-    m = _run(load, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads,
-             prefill_dequant=_prefill_mode(prefill))
+        if prefill != "auto":
+            _fail("--prefill applies to the torch runtime; drop it with --lite (prompts go through the C prefill)")
+        m = _run(load_lite, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads)
+    else:
+        from sparkq.runtime import load
+
+        m = _run(load, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads,
+                 prefill_dequant=_prefill_mode(prefill))
     hub = m.info.extra.get("hub")
     if hub and not as_json:
         typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)
@@ -238,7 +247,7 @@ def generate(
     if as_json:
         r = _run(m.generate, prompt, chat=chat, **kw)
         r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout, hub=hub,
-                          threads=torch_threads(), rss_mib=_rss_mib())
+                          threads=_threads(m), rss_mib=_rss_mib())
         typer.echo(json.dumps(r))
         return
 
@@ -251,7 +260,7 @@ def generate(
     st, rss = m.last_stats, _rss_mib()
     typer.echo(f"\n[load {m.info.load_seconds:.2f} s | prefill {st.prompt_tokens} tok {st.prefill_tok_s:.1f} tok/s | "
                f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | RSS anon {rss['RssAnon']:.0f} MiB + "
-               f"file {rss['RssFile']:.0f} MiB (peak {rss['VmHWM']:.0f}) | threads {torch_threads()} | "
+               f"file {rss['RssFile']:.0f} MiB (peak {rss['VmHWM']:.0f}) | threads {_threads(m)} | "
                f"layout {m.info.layout or 'bf16 checkpoint'} | decode path {m.info.extra.get('decode_path', '?')} | "
                f"prefill path {m.info.extra.get('prefill_path', '?')}]", err=True)
 
@@ -259,6 +268,11 @@ def generate(
 def torch_threads() -> int:
     import torch
     return torch.get_num_threads()
+
+
+def _threads(m) -> int:
+    """The loaded model's thread count (the torch-free runtime records its own; torch's otherwise)."""
+    return m.info.extra["threads"] if "threads" in m.info.extra else torch_threads()
 
 
 def _save(target: str, kind: str, result: dict) -> None:

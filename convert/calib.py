@@ -107,7 +107,7 @@ class Calibration:
         for i in range(spec.layers):
             theta, rot, _ = spec.layer_attention(i)
             if (theta, rot) not in self.rope:
-                f = torch.outer(pos, rope_inv_freq(spec, rot, theta))
+                f = torch.outer(pos, torch.from_numpy(rope_inv_freq(spec, rot, theta)))
                 emb = torch.cat([f, f], -1)
                 self.rope[(theta, rot)] = (emb.cos(), emb.sin())
 

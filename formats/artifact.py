@@ -13,8 +13,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used
+    import torch
 
 from . import constants as C
 from .layout import LAYOUTS
@@ -26,8 +30,15 @@ class ArtifactError(ValueError):
     """One-line, user-facing problem with an artifact (names what and how to fix)."""
 
 
-TORCH_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
+# numpy has no bfloat16: BF16 maps to its bit pattern (uint16), which is what the C core reads
+NUMPY_DTYPES = {"U8": np.uint8, "BF16": np.uint16, "F16": np.float16, "F32": np.float32, "I8": np.int8,
+                "I32": np.int32, "I64": np.int64}
+
+
+def torch_dtypes() -> dict:
+    import torch  # not at import time: sparkq.formats stays importable without loading torch
+    return {"U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+            "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
 
 
 def quantization_config(layout: str, group_size: int, method: str) -> dict:
@@ -199,6 +210,9 @@ class Artifact:
     # ---------------------------------------------------------------- data access
     def map(self) -> dict[str, torch.Tensor]:
         """Every tensor as a view into one private mmap of the weights file."""
+        import torch
+
+        TORCH_DTYPES = torch_dtypes()
         size = os.path.getsize(self.weights_path)
         storage = torch.UntypedStorage.from_file(str(self.weights_path), shared=False, nbytes=size)
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -209,6 +223,18 @@ class Artifact:
             dt = TORCH_DTYPES[t.dtype]
             view = flat[t.start:t.start + t.nbytes]
             out[name] = view.view(dt).view(t.shape) if t.nbytes else torch.empty(t.shape, dtype=dt)
+        return out
+
+    def map_numpy(self) -> dict[str, np.ndarray]:
+        """Every tensor as a read-only numpy view into one mmap of the weights file (no torch;
+        bf16 tensors as their uint16 bit patterns)."""
+        flat = np.memmap(self.weights_path, dtype=np.uint8, mode="r")
+        out = {}
+        for name, t in self.infos.items():
+            if name.startswith(C.PAD_PREFIX):
+                continue
+            dt = NUMPY_DTYPES[t.dtype]
+            out[name] = flat[t.start:t.start + t.nbytes].view(dt).reshape(t.shape) if t.nbytes else np.empty(t.shape, dt)
         return out
 
     def verify(self, progress=None) -> str | None:

@@ -42,7 +42,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+
+class _LazyTorch:
+    """torch, imported on first use: importing sparkq.formats stays torch-free (~200 MiB of RSS),
+    which the torch-free runtime (runtime/lite.py) relies on; every function here that uses
+    torch imports it when called."""
+
+    def __getattr__(self, name):
+        import torch as _torch
+        return getattr(_torch, name)
+
+
+torch = _LazyTorch()
 
 
 @dataclass(frozen=True)
@@ -209,8 +221,9 @@ def gather_rows(packed: torch.Tensor, layout: str | Layout, n: int, k: int, rows
 
 
 def dequantize_codes(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``(q - 8) * scale + zero`` for codes ``[R, K]`` and scales_zeros ``[K/g, R, 2]``."""
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(q - 8) * scale + zero`` for codes ``[R, K]`` and scales_zeros ``[K/g, R, 2]`` (dtype: bf16 by default)."""
+    dtype = dtype or torch.bfloat16
     r, k = codes.shape
     g = group_size
     sz = scales_zeros.to(torch.float32)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tomllib
 
-import torch
+import numpy as np
 
 from . import constants as C
 
@@ -379,10 +379,10 @@ def choose_group_size(n: int, k: int, recipe: Recipe, role: str, requested: int 
     return None
 
 
-def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> torch.Tensor:
-    """RoPE inverse frequencies (float32 [rotary_dim/2]) with the config's rope_scaling:
+def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> np.ndarray:
+    """RoPE inverse frequencies (float32 [rotary_dim/2], numpy) with the config's rope_scaling:
     part of the model's definition, shared by the runtime and the converter's calibration."""
-    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
     rs = spec.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "linear":
@@ -392,7 +392,22 @@ def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> torch.Tenso
         old = float(rs["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         smooth = (old / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv.to(torch.float32)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables_bf16(spec: ModelSpec, max_len: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [max_len, rotary_dim] as bf16 bit patterns (uint16), rotate-half order: angles
+    pos * inv_freq in fp32, cos/sin in float64 rounded to fp32, then to bf16 (nearest even). One
+    implementation for the torch runtime and the torch-free one, so both use the same tables."""
+    inv = rope_inv_freq(spec, rotary_dim, theta)
+    freqs = np.arange(max_len, dtype=np.float32)[:, None] * inv[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
+
+    def bf16_bits(x: np.ndarray) -> np.ndarray:
+        u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+    return bf16_bits(np.cos(emb)), bf16_bits(np.sin(emb))

@@ -3,47 +3,22 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
-from sparkq.formats.hub import is_repo_id
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, ROWS32, LayoutError, host_layout
 from sparkq.formats.spec import ModelSpec, recipe_for_config
 
+from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD, LoadInfo,  # noqa: F401
+                     fix_malloc_mmap_threshold, kv_capacity, resolve)
 from .errors import RuntimeUserError
 from .generate import Generator
-from .model import KVCache, Model
+from .model import Model
 from .tokenizer import ChatTokenizer
 from .weights import DenseLinear, Scratch, linears_from_artifact
 
-DEFAULT_KV_BUDGET_MIB = 192
-DEFAULT_MAX_MODEL_LEN = 2048
-
-
-@dataclass
-class LoadInfo:
-    source: str
-    kind: str  # "artifact" | "bf16"
-    layout: str | None
-    load_seconds: float
-    kv_capacity: int
-    kv_bytes: int
-    rope_bytes: int
-    max_model_len: int
-    extra: dict = field(default_factory=dict)
-
-
-def _resolve(path_or_repo: str) -> tuple[Path, dict]:
-    p = Path(path_or_repo)
-    if p.exists():
-        return p, {}
-    if is_repo_id(path_or_repo):
-        from .hub import download_artifact
-        return download_artifact(path_or_repo)
-    raise RuntimeUserError(f"{path_or_repo}: no such directory (and not a Hub repo id org/name[@revision])")
 
 
 def check_layout(art_layout: str) -> None:
@@ -58,21 +33,6 @@ def check_layout(art_layout: str) -> None:
             f"artifact is packed for the {art_layout} layout but torch on this host runs the "
             f"{LAYOUT_TO_CAPABILITY[host]} int4 kernel (layout {host}); re-convert with "
             f"`spark-convert SRC OUT --target {host}` (or `--target native`)")
-
-
-def _kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float) -> int:
-    if max_model_len <= 0:
-        raise RuntimeUserError(f"max_model_len must be positive, got {max_model_len}")
-    if kv_budget_mib <= 0:
-        raise RuntimeUserError(f"kv_budget_mib must be positive, got {kv_budget_mib}")
-    if max_model_len > spec.max_position:
-        raise RuntimeUserError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                               f"{spec.max_position}; lower --max-model-len")
-    per_tok = KVCache.bytes_per_token(spec)
-    cap = min(max_model_len, int(kv_budget_mib * 2**20) // per_tok)
-    if cap < 1:
-        raise RuntimeUserError(f"a KV budget of {kv_budget_mib} MiB holds no token ({per_tok} bytes each); raise --kv-budget-mib")
-    return cap
 
 
 def _load_bf16_checkpoint(path: Path):
@@ -146,28 +106,6 @@ def _attach_fast(model: Model, enabled: bool) -> str:
             + (f", compiled in {built:.1f} s" if built else "") + ")")
 
 
-# glibc serves allocations above its mmap threshold with mmap and returns them on free, but the
-# threshold grows (up to 32 MiB) after such frees, so prefill's multi-MiB activations end up on
-# the heap and stay resident. Fixed at 1 MiB: peak RSS through pp512 + tg64 at the Qwen3-1.7B
-# shape 1357 -> 1344 MiB, after it 1340 -> 1320 (/proc/self/status sampled every 2 ms; 256 KiB
-# gave the same, 4 MiB 1358 / 1327).
-MALLOC_MMAP_THRESHOLD = 1 << 20
-
-
-def _fix_malloc_mmap_threshold() -> bool:
-    """mallopt(M_MMAP_THRESHOLD, 1 MiB) on glibc (process-wide; also stops the growth above)."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(-3, MALLOC_MMAP_THRESHOLD))  # -3 = M_MMAP_THRESHOLD
-
-
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, prefill_dequant: bool | None = None, verify: bool = False,
          rope_len_from_config: bool = False, c_decode: bool = True, c_prefill: bool = True) -> "LoadedModel":
@@ -188,8 +126,8 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(int(threads))
-    fixed = _fix_malloc_mmap_threshold()
-    path, hub = _resolve(str(path_or_repo_id))
+    fixed = fix_malloc_mmap_threshold()
+    path, hub = resolve(str(path_or_repo_id))
     if (path / C.MANIFEST_FILE).exists():
         try:
             art = Artifact.open(path)
@@ -211,7 +149,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
         kind, layout, tensors = "bf16", None, None
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, spec.max_position)
-    cap = _kv_capacity(spec, max_model_len, kv_budget_mib)
+    cap = kv_capacity(spec, max_model_len, kv_budget_mib)
     model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap,
                   rope_len=spec.max_position if rope_len_from_config else None)
     extra = {"hub": hub} if hub else {}

@@ -24,7 +24,7 @@ def _auto_bool(v: str) -> bool | None:
     return None if v.lower() == "auto" else _bool(v)
 
 
-LOAD_KEYS = {"prefill_dequant": _auto_bool, "c_decode": _bool, "c_prefill": _bool, "threads": int,
+LOAD_KEYS = {"prefill_dequant": _auto_bool, "c_decode": _bool, "c_prefill": _bool, "lite": _bool, "threads": int,
              "kv_budget_mib": float, "max_model_len": int}
 
 
@@ -130,6 +130,47 @@ def _procmem_without_torch():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _child_lite(a: dict) -> dict:
+    """The torch-free runtime (runtime/lite.py): the same measurements as _child_sparkq; torch is
+    never imported in this process (checked: its RSS is the point of the arm)."""
+    import random
+
+    from sparkq.formats.procmem import RssSampler
+    from sparkq.runtime.lite import load
+
+    kw = {k: v for k, v in a["load"].items() if k != "lite"}
+    t0 = time.perf_counter()
+    with RssSampler(0.002) as s:
+        m = load(a["model"], **kw)
+        load_s = time.perf_counter() - t0
+        rng = random.Random(0)
+        vocab = m.spec.vocab
+        short = [rng.randrange(vocab) for _ in range(a["ttft_tokens"])]
+        t = time.perf_counter()
+        next(iter(m.stream_ids(short, max_new_tokens=1, stop_ids=[])))
+        ttft = time.perf_counter() - t
+    settled = s.sample()
+    with RssSampler(0.002) as run:
+        pp_ids = [rng.randrange(vocab) for _ in range(a["pp"])]
+        list(m.stream_ids(pp_ids[:64], max_new_tokens=2, stop_ids=[]))  # warm both paths
+        t = time.perf_counter()
+        m.prefill(pp_ids)
+        pp_s = time.perf_counter() - t
+        list(m.stream_ids(short, max_new_tokens=a["tg"], stop_ids=[]))
+    st = m.last_stats
+    if "torch" in sys.modules:
+        raise RuntimeError("the lite arm imported torch")
+    d = a["model"] if os.path.isdir(a["model"]) else ""
+    art = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors")) if d else 0
+    # weight bytes per decode step: every tensor but an untied embedding (one row per token)
+    bpt = sum(v.nbytes for k, v in m.tensors.items() if not k.startswith("embed."))
+    return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": st.decode_tok_s,
+            "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024, "run_peak_rss_mib": run.peak_kib / 1024,
+            "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20, "kv_budget_mib": m.k.nbytes * 2 / 2**20,
+            "decode_bytes_per_token": bpt, "threads": m.info.extra["threads"],
+            "decode_path": m.info.extra["decode_path"], "prefill_path": m.info.extra["prefill_path"]}
 
 
 def _child_llama(a: dict) -> dict:
@@ -254,7 +295,8 @@ if __name__ == "__main__":
     sys.path.pop(0)  # run as a script: do not shadow packages with this folder
     args = json.loads(sys.argv[1])
     try:
-        res = _child_llama(args) if args["kind"] == "llama" else _child_sparkq(args)
+        res = _child_llama(args) if args["kind"] == "llama" else \
+            _child_lite(args) if args["load"].get("lite") else _child_sparkq(args)
     except Exception as e:
         if type(e).__name__ != "RuntimeUserError":
             raise

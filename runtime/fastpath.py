@@ -45,9 +45,7 @@ def supported(model) -> str | None:
     return None
 
 
-# prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
-# ~24 MiB fp32 for 256 tokens) while each chunk still reads every weight only once
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = K.PREFILL_CHUNK  # tests patch this one
 
 
 def prefill_supported(model, lib) -> str | None:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used
+    import torch
 
 from .errors import RuntimeUserError
 
@@ -33,6 +35,8 @@ class GenStats:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
+    import torch
+
     if temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -44,7 +48,19 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+def check_request(ids, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if not ids:
+        raise RuntimeUserError("empty prompt: give at least one token of text")
+    if max_new_tokens < 1:
+        raise RuntimeUserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise RuntimeUserError("temperature must be >= 0 and top_p in (0, 1]")
+
+
 class Generator:
+    """Prompt -> text around a model's ``stream_ids`` (the torch runtime's is below; runtime/lite.py
+    overrides it without torch)."""
+
     def __init__(self, model, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
@@ -61,12 +77,9 @@ class Generator:
     def stream_ids(self, ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                    seed: int | None = None, stop_ids=None):
         """Yields generated token ids; raises before any compute if it cannot fit."""
-        if not ids:
-            raise RuntimeUserError("empty prompt: give at least one token of text")
-        if max_new_tokens < 1:
-            raise RuntimeUserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise RuntimeUserError("temperature must be >= 0 and top_p in (0, 1]")
+        import torch
+
+        check_request(ids, max_new_tokens, temperature, top_p)
         self.model.check_fits(len(ids) + max_new_tokens)
         stop = (self.tokenizer.stop_ids if self.tokenizer else set()) if stop_ids is None else set(stop_ids)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None

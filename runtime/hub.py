@@ -68,14 +68,15 @@ def runnable_layouts() -> list[str]:
     return [ROWS32, *host] if kernels.try_load() is not None else [*host, ROWS32]
 
 
-def download_artifact(spec: str) -> tuple[Path, dict]:
+def download_artifact(spec: str, layouts: list[str] | None = None) -> tuple[Path, dict]:
     """(local artifact dir, {"repo", "revision", "variant"}) for ``org/name[@revision]``: the first
-    variant of :func:`runnable_layouts` the repo has (only that folder is fetched)."""
+    variant of ``layouts`` (default :func:`runnable_layouts`) the repo has (only that folder is fetched)."""
     repo, rev = split_repo(spec)
+    want = layouts or runnable_layouts()
     extra = ["sparkq.json", "config.json", "model.sparkq.safetensors", "tokenizer*", "generation_config.json",
              "chat_template*"]
     snap = None
-    for i, layout in enumerate(runnable_layouts()):
+    for i, layout in enumerate(want):
         patterns = variant_patterns(layout) + (extra if i == 0 else [])
         try:
             snap = snapshot(repo, rev, patterns)
@@ -88,7 +89,6 @@ def download_artifact(spec: str) -> tuple[Path, dict]:
                 _check_download(repo, rev, patterns, d, info)
                 return d, info
     have = _repo_variants(repo, rev, snap)
-    want = runnable_layouts()
     raise RuntimeUserError(
         f"Hub repo {repo} has no artifact this host can run (it has: {', '.join(have) or 'none'}; this host runs "
         f"{', '.join(want)}); convert one yourself: spark-convert SRC OUT --target {want[0]}")

@@ -10,24 +10,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from sparkq.formats.spec import ModelSpec, rope_inv_freq
+from sparkq.formats.spec import ModelSpec, rope_tables_bf16
 
+from .common import REFINE_TOP, kv_bytes_per_token  # noqa: F401  (REFINE_TOP: fastpath imports it from here)
 from .errors import RuntimeUserError
-
-REFINE_TOP = 8  # logits recomputed in fp32 per position (see Model._refine_top)
 
 
 class Rope:
     """cos/sin tables sized to max_model_len (never max_position_embeddings), bf16 [L, rotary_dim]."""
 
     def __init__(self, spec: ModelSpec, max_len: int, rotary_dim: int, theta: float):
-        inv = rope_inv_freq(spec, rotary_dim, theta)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(torch.bfloat16)
-        self.sin = emb.sin().to(torch.bfloat16)
+        cos, sin = rope_tables_bf16(spec, max_len, rotary_dim, theta)  # shared with runtime/lite.py
+        self.cos = torch.from_numpy(cos.view(np.int16)).view(torch.bfloat16)
+        self.sin = torch.from_numpy(sin.view(np.int16)).view(torch.bfloat16)
         self.rotary_dim = rotary_dim
         self.key = (theta, rotary_dim)
 
@@ -68,7 +66,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(spec: ModelSpec) -> int:
-        return 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
+        return kv_bytes_per_token(spec)
 
     @property
     def nbytes(self) -> int:

@@ -102,10 +102,11 @@ def test_synth_convert_bench(tmp_path):
     assert 130e6 < s["parameters"] < 140e6
     assert run_cli("spark-convert", tmp_path / "s", tmp_path / "q", "--quiet", "--method", "minmax").returncode == 0
     p = run_cli("sparkq", "bench", tmp_path / "q", "--passes", "1", "--pp", "32", "--tg", "4",
-                "--arm", "nodeq=prefill_dequant=0", "--arm", "passive=OMP_WAIT_POLICY=PASSIVE", "--json")
+                "--arm", "nodeq=prefill_dequant=0", "--arm", "passive=OMP_WAIT_POLICY=PASSIVE", "--arm", "lite=lite=1",
+                "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    assert set(r["arms"]) == {"control", "nodeq", "passive"}
+    assert set(r["arms"]) == {"control", "nodeq", "passive", "lite"}
     for a in r["arms"].values():
         for m in ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib", "run_peak_rss_mib",
                   "after_run_rss_mib"):
@@ -121,6 +122,11 @@ def test_synth_convert_bench(tmp_path):
     # prompts through sq_prefill by default; --prefill kernel (prefill_dequant=0) keeps the torch model
     assert r["arms"]["control"]["prefill_path"] == "c", r["arms"]["control"]
     assert r["arms"]["nodeq"]["prefill_path"].startswith("torch (--prefill kernel/dequant"), r["arms"]["nodeq"]
+    # the torch-free runtime: same weights and KV, no torch (~200 MiB) in the process
+    lite, ctl = r["arms"]["lite"], r["arms"]["control"]
+    assert "no torch" in lite["decode_path"] and lite["decode_bytes_per_token"] == ctl["decode_bytes_per_token"]
+    assert lite["run_peak_rss_mib"]["max"] < ctl["run_peak_rss_mib"]["max"] - 100, (lite, ctl)
+    assert lite["run_peak_rss_mib"]["max"] <= lite["rss_bound_mib"], lite
     bad = run_cli("sparkq", "bench", tmp_path / "q", "--arm", "x=bogus=1")
     assert bad.returncode == 2 and "bogus" in bad.stderr
 

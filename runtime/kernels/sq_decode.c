@@ -1,7 +1,8 @@
-/* sparkq decode core: one whole token step (embedding -> layers -> head) in C.
+/* sparkq's C core: one whole decode step (embedding -> layers -> head, sq_step), a whole
+ * prompt (sq_prefill, chunks of tokens through every layer) and the W4A8 GEMM they share.
  *
  * Compiled on the user's machine by sparkq/runtime/kernels.py (gcc/cc -O3 -march=native
- * -fopenmp), loaded with ctypes, called once per generated token. Weights are read
+ * -fopenmp), loaded with ctypes, called once per generated token and once per prompt. Weights are read
  * in place from the artifact's mapping; nothing is repacked or copied.
  *
  * Int4 linears use the "rows32" layout (formats/layout.py is the contract): row-major,
@@ -19,7 +20,7 @@
  * Int8 linears (per-row scale, e.g. the tied head) use the same activation scales; bf16
  * linears are multiplied in fp32. Everything between the products (norms, RoPE,
  * attention, activations, residual) is fp32; the KV cache is bf16 and shared with the
- * torch prefill path.
+ * torch model's prefill when that one is used (c_prefill=False, --prefill kernel|dequant).
  *
  * SQ_SCALAR forces the portable C path (tests build both and compare).
  */
