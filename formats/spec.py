@@ -401,13 +401,21 @@ def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> np.ndarray:
 def rope_tables_bf16(spec: ModelSpec, max_len: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables [max_len, rotary_dim] as bf16 bit patterns (uint16), rotate-half order: angles
     pos * inv_freq in fp32, cos/sin in float64 rounded to fp32, then to bf16 (nearest even). One
-    implementation for the torch runtime and the torch-free one, so both use the same tables."""
+    implementation for the torch runtime and the torch-free one, so both use the same tables.
+    Computed in blocks of positions: the float64 temporaries stay small even for 1M positions."""
     inv = rope_inv_freq(spec, rotary_dim, theta)
-    freqs = np.arange(max_len, dtype=np.float32)[:, None] * inv[None, :]
-    emb = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
+    half = inv.size
+    cos = np.empty((max_len, 2 * half), np.uint16)
+    sin = np.empty((max_len, 2 * half), np.uint16)
 
     def bf16_bits(x: np.ndarray) -> np.ndarray:
         u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
         return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
-    return bf16_bits(np.cos(emb)), bf16_bits(np.sin(emb))
+    for p0 in range(0, max_len, 1 << 14):
+        p1 = min(max_len, p0 + (1 << 14))
+        ang = (np.arange(p0, p1, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float64)
+        c, s = bf16_bits(np.cos(ang)), bf16_bits(np.sin(ang))
+        cos[p0:p1, :half], cos[p0:p1, half:] = c, c
+        sin[p0:p1, :half], sin[p0:p1, half:] = s, s
+    return cos, sin
