@@ -82,6 +82,9 @@ def test_second_variant_pinned_revision_and_missing_variant(hub, tiny_tied, tmp_
     assert sorted(u["variants"]) == sorted([layout, other])
     ok = run_cli("sparkq", "generate", "me/multi", "abc", "--max-new-tokens", "3", "--json", env=hub.env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["stats"]["hub"]["variant"] == layout
+    if layout == "rows32":  # the torch-free runtime fetches the rows32 variant only
+        lite = run_cli("sparkq", "generate", "me/multi", "abc", "--lite", "--max-new-tokens", "3", "--json", env=hub.env)
+        assert lite.returncode == 0 and json.loads(lite.stdout)["stats"]["hub"]["variant"] == "rows32", lite.stderr
     # pinned to the first commit: that revision has no variant for this host
     pinned = run_cli("sparkq", "generate", f"me/multi@{first}", "abc", env=hub.env)
     assert pinned.returncode == 2 and other in pinned.stderr
