@@ -9,10 +9,10 @@ torch is never imported, which saves ~200 MiB of resident memory (``import torch
 cache, the RoPE tables, the C core's buffers and the tokenizer.
 
 It needs what the C core needs: a rows32 artifact (int4 rows32, int8 or bf16 linears) and a
-C compiler. Same arithmetic as the torch runtime's default C paths (its RoPE tables come from
-the same function); the prompt's last token goes through the decode step instead of the
-prefill GEMM, so logits agree with ``load()`` up to summation order. Sampling is numpy's:
-greedy picks match, a seeded sample does not reproduce the torch runtime's draws.
+C compiler. The same C calls as the torch runtime's default paths on the same tables (one
+RoPE function for both; there too a prompt's last token goes through the decode step), so the
+logits are the same bits (a final softcap aside: numpy's tanh) and greedy output is identical.
+Sampling is numpy's: a seeded sample does not reproduce the torch runtime's draws.
 """
 from __future__ import annotations
 
