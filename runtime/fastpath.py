@@ -144,3 +144,10 @@ class FastDecoder:
         if rc:
             raise MemoryError("sq_prefill could not allocate its activation buffers")
         return out
+
+    def head(self, xn: torch.Tensor) -> torch.Tensor:
+        """Logits fp32 [1, vocab] from one final-normed hidden state (as sq_step's last part)."""
+        xn = xn.reshape(-1).contiguous()
+        logits = torch.empty(1, self.m.vocab, dtype=torch.float32)
+        self.lib.sq_head(ctypes.byref(self.m), self.work, xn.data_ptr(), logits.data_ptr())
+        return logits

@@ -128,6 +128,7 @@ def load(variant: str | None = None) -> ctypes.CDLL:
     lib.sq_linear_f32.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_void_p, ctypes.c_void_p]
     lib.sq_set_threads.argtypes = [ctypes.c_int]
     lib.sq_dequant_rows.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.sq_head.argtypes = [ctypes.POINTER(SqModel), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.sq_prefill.argtypes = [ctypes.POINTER(SqModel), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_int64]
     lib.sq_linear_batch.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

@@ -2,16 +2,15 @@
 
 ``load_lite(path)`` maps the artifact with numpy (read-only, no copy), builds the C core's
 model description over it (the same structs runtime/fastpath.py fills from torch tensors),
-and generates: prompts through ``sq_prefill`` (all tokens but the last), every new token, and
-the prompt's last one, through ``sq_step`` (embedding -> layers -> head, top logits exact).
+and generates: prompts through ``sq_prefill`` + ``sq_head`` (the last position's logits), every
+new token through ``sq_step`` (embedding -> layers -> head, top logits exact).
 torch is never imported, which saves ~200 MiB of resident memory (``import torch`` alone:
 208 MiB RSS here) and its import time; what the process holds is the mapped weights, the KV
 cache, the RoPE tables, the C core's buffers and the tokenizer.
 
 It needs what the C core needs: a rows32 artifact (int4 rows32, int8 or bf16 linears) and a
 C compiler. The same C calls as the torch runtime's default paths on the same tables (one
-RoPE function for both; there too a prompt's last token goes through the decode step), so the
-logits are the same bits (a final softcap aside: numpy's tanh) and greedy output is identical.
+RoPE function for both), so the logits are the same bits (a final softcap aside: numpy's tanh) and greedy output is identical.
 Sampling is numpy's: a seeded sample does not reproduce the torch runtime's draws.
 """
 from __future__ import annotations
@@ -186,13 +185,16 @@ class LiteModel(Generator):
         if ids.size == 0:
             raise RuntimeUserError("empty prompt: give at least one token of text")
         self.check_fits(pos0 + ids.size)
-        if ids.size > 1:
-            out = np.empty(self.spec.hidden, np.float32)
-            rc = self.lib.sq_prefill(ctypes.byref(self.m), ids.ctypes.data, ids.size - 1, int(pos0), K.PREFILL_CHUNK,
-                                     out.ctypes.data, 0)
-            if rc:
-                raise MemoryError("sq_prefill could not allocate its activation buffers")
-        return self.step(int(ids[-1]), pos0 + ids.size - 1)
+        if ids.size == 1:
+            return self.step(int(ids[0]), pos0)
+        xn = np.empty(self.spec.hidden, np.float32)
+        rc = self.lib.sq_prefill(ctypes.byref(self.m), ids.ctypes.data, ids.size, int(pos0), K.PREFILL_CHUNK,
+                                 xn.ctypes.data, 0)
+        if rc:
+            raise MemoryError("sq_prefill could not allocate its activation buffers")
+        self.lib.sq_head(ctypes.byref(self.m), self.work, xn.ctypes.data, self.logits.ctypes.data)
+        c = self.spec.final_softcap
+        return np.tanh(self.logits / c) * c if c else self.logits
 
     def stream_ids(self, ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                    seed: int | None = None, stop_ids=None):

@@ -179,10 +179,10 @@ class Model:
             return torch.tanh(logits / s.final_softcap) * s.final_softcap if s.final_softcap else logits
         if self.fast is not None and self.fast.prefill_off is None and self.c_prefill:
             self.check_fits(pos0 + ids.numel())
-            if last_only:  # all but the last token through sq_prefill, the last through the decode step:
-                # what runtime/lite.py does, so both runtimes give the same logits and tokens
-                self.fast.prefill(ids[:-1], pos0, True)
-                return self.forward(ids[-1:], pos0 + ids.numel() - 1)
+            if last_only:  # the head of the last position in C, as the decode step's: what
+                # runtime/lite.py does, so both runtimes give the same logits and tokens
+                logits = self.fast.head(self.fast.prefill(ids, pos0, True))
+                return torch.tanh(logits / s.final_softcap) * s.final_softcap if s.final_softcap else logits
             x = self.fast.prefill(ids, pos0, False)  # fp32, final-normed (C core, runtime/fastpath.py)
             return self._head(x if getattr(self.head, "c", None) is not None else x.to(torch.bfloat16))
         x = self.embedding.embed(ids)

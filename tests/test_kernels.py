@@ -167,7 +167,7 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     assert torch.allclose(q.model.forward(t, 0, last_only=False), y, rtol=1e-5, atol=1e-5)
     a, b = q.model.forward(t[:11], 0, last_only=False), q.model.forward(t[11:], 11, last_only=False)
     assert torch.allclose(torch.cat([a, b]), y, rtol=1e-5, atol=1e-5)
-    # last_only: the last token through the decode step, as close to fp32 as the rest
+    # last_only: the last position's logits from the C head (sq_head), as close to fp32 as the rest
     last = q.model.forward(t, 0, last_only=True)[0]
     assert ((last - b32[-1]).abs().max() / (b16[-1] - b32[-1]).abs().max()).item() < 0.9
 

@@ -996,6 +996,17 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
     return 0;
 }
 
+/* Logits fp32 [vocab] from a final-normed hidden state xn [hidden] (what sq_prefill returns):
+ * the tail of sq_step (head product, top logits recomputed exactly). */
+int sq_head(const sq_model *m, void *work, const float *xn, float *logits) {
+    sq_work *w = work;
+    prep(&m->head, xn, &w->a);
+#pragma omp parallel
+    products(&m->head, &w->a, logits);
+    refine_top(&m->head, xn, logits, m->refine_top);
+    return 0;
+}
+
 /* ---- prefill: many tokens through every layer ----------------------------------------------
  * The same arithmetic as sq_step, for a chunk of tokens at a time: fp32 residual stream and
  * pointwise parts, W4A8 products through the GEMM (sq_linear_batch), bf16 KV cache, and a
