@@ -78,3 +78,13 @@ def fix_malloc_mmap_threshold() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(-3, MALLOC_MMAP_THRESHOLD))  # -3 = M_MMAP_THRESHOLD
+
+
+def check_ids(ids, vocab: int) -> None:
+    """Token ids must index the embedding (the C core reads the row without a check): an int, or
+    (min, max) of a prompt."""
+    lo, hi = (ids, ids) if isinstance(ids, int) else ids
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise RuntimeUserError(f"token id {bad} is outside the vocabulary (0..{vocab - 1}); "
+                               "pass ids from this model's tokenizer")

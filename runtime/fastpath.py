@@ -18,6 +18,7 @@ import torch
 from sparkq.formats.layout import ROWS32
 
 from . import kernels as K
+from .common import check_ids
 from .model import REFINE_TOP
 from .weights import DenseLinear, Int4Linear, Int8Linear
 
@@ -127,6 +128,7 @@ class FastDecoder:
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits fp32 [1, vocab] for one token (the top REFINE_TOP recomputed exactly)."""
+        check_ids(token, self.m.embed.n)
         logits = torch.empty(1, self.m.vocab, dtype=torch.float32)
         if self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.data_ptr(), logits.data_ptr()):
             raise IndexError(f"position {pos} is outside the KV cache ({self.m.cap})")
@@ -136,6 +138,7 @@ class FastDecoder:
         """Final-normed hidden states fp32 [T or 1, hidden] of prompt tokens at pos0.. (K/V cached)."""
         ids = ids.to(torch.int64).contiguous()
         t = ids.numel()
+        check_ids((int(ids.min()), int(ids.max())), self.m.embed.n)
         out = torch.empty(1 if last_only else t, self.m.hidden, dtype=torch.float32)
         rc = self.lib.sq_prefill(ctypes.byref(self.m), ids.data_ptr(), t, int(pos0), PREFILL_CHUNK, out.data_ptr(),
                                  int(not last_only))

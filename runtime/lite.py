@@ -27,8 +27,8 @@ from sparkq.formats.layout import ROWS32
 from sparkq.formats.spec import rope_tables_bf16
 
 from . import kernels as K
-from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, REFINE_TOP, LoadInfo, fix_malloc_mmap_threshold,
-                     kv_capacity, resolve)
+from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, REFINE_TOP, LoadInfo, check_ids,
+                     fix_malloc_mmap_threshold, kv_capacity, resolve)
 from .errors import RuntimeUserError
 from .generate import Generator, GenStats, check_request
 from .tokenizer import ChatTokenizer
@@ -175,6 +175,7 @@ class LiteModel(Generator):
         """Logits fp32 [vocab] of one token at pos (K/V cached); a view reused by the next call."""
         if not 0 <= pos < self.cap:
             raise RuntimeUserError(f"position {pos} is beyond the KV cache ({self.cap} tokens)")
+        check_ids(int(token), self.m.embed.n)
         self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.ctypes.data, self.logits.ctypes.data)
         c = self.spec.final_softcap
         return np.tanh(self.logits / c) * c if c else self.logits
@@ -185,6 +186,7 @@ class LiteModel(Generator):
         if ids.size == 0:
             raise RuntimeUserError("empty prompt: give at least one token of text")
         self.check_fits(pos0 + ids.size)
+        check_ids((int(ids.min()), int(ids.max())), self.m.embed.n)
         if ids.size == 1:
             return self.step(int(ids[0]), pos0)
         xn = np.empty(self.spec.hidden, np.float32)

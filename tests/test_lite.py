@@ -76,6 +76,13 @@ def test_lite_errors_and_cli(tiny_tied_art, tmp_path):
         list(m.stream_ids(list(range(10)), max_new_tokens=8))
     with pytest.raises(RuntimeUserError, match="empty prompt"):
         list(m.stream_ids([], max_new_tokens=2))
+    from sparkq.runtime import load
+    t = load(str(tiny_tied_art), max_model_len=16)
+    for gen in (m, t):  # the C core reads embedding rows unchecked: both runtimes refuse bad ids first
+        with pytest.raises(RuntimeUserError, match="token id 320 is outside the vocabulary"):
+            list(gen.stream_ids([5, 320], max_new_tokens=2))
+        with pytest.raises(RuntimeUserError, match="token id -1 is outside"):
+            list(gen.stream_ids([-1], max_new_tokens=2))
     p = run_cli("sparkq", "generate", tiny_tied_art, "hello", "--lite", "--max-new-tokens", "3", "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
