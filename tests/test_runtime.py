@@ -92,9 +92,9 @@ def rss():
         if l.startswith(('RssAnon', 'RssFile')):
             k, v = l.split(':'); d[k] = int(v.split()[0]) * 1024
     return d
-import torch, sparkq.runtime
+import torch, sparkq.runtime.api  # the modules load() uses, imported before measuring
 before = rss()
-m = sparkq.runtime.load({str(example_art)!r}, kv_budget_mib=1)
+m = sparkq.runtime.api.load({str(example_art)!r}, kv_budget_mib=1)
 after = rss()
 wpath = os.path.realpath(os.path.join({str(example_art)!r}, C.WEIGHTS_FILE))
 regions = []
