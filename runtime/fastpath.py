@@ -51,8 +51,9 @@ PREFILL_CHUNK = K.PREFILL_CHUNK  # tests patch this one
 
 def prefill_supported(model, lib) -> str | None:
     """None if sq_prefill can run this model's prompts with its GEMM, else why not."""
-    if supported(model):
-        return supported(model)
+    why = supported(model)
+    if why:
+        return why
     for name, lin in model.lin.items():
         if not name.startswith("layers."):
             continue

@@ -26,7 +26,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("kernels") / "sq_decode.c"
 ABI = 4
 # prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
-# ~24 MiB fp32 for 256 tokens) while each chunk still reads every weight only once
+# ~24 MiB fp32 for 256 tokens, from the buffer sizes) while each chunk reads every weight once
 PREFILL_CHUNK = 256
 
 

@@ -110,12 +110,8 @@ def test_batch_equals_single_products_and_dequant(case):
         assert lib.sq_dequant_rows(ctypes.byref(L), 0, L.n + 1, out.data_ptr()) == -1  # out of range refused
 
 
-def test_whole_step_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
-    """Every recipe feature the C step implements (gemma3: q/k norms, (1+w) norms, sandwich
-    norms, embedding scale, GELU, sliding + full layers with two RoPE tables, attention scale,
-    final softcap), with fp32 activations: equal to an fp32 forward of the same weights up
-    to the bf16 KV cache."""
-    from helpers import dequant_reference
+def _gemma3_exact(tmp_path, monkeypatch):
+    """A gemma3 artifact with every recipe feature the C core implements, loaded on the exact build."""
     from sparkq.runtime import load
 
     src = make_llama(tmp_path / "g3", arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40,
@@ -123,7 +119,17 @@ def test_whole_step_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     out = tmp_path / "g3-int4"
     convert(str(src), str(out), Options(progress=False, method="minmax"))
     monkeypatch.setenv("SPARKQ_KERNEL", "exact")
-    q = load(str(out), max_model_len=64)
+    return load(str(out), max_model_len=64)
+
+
+def test_whole_step_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
+    """Every recipe feature the C step implements (gemma3: q/k norms, (1+w) norms, sandwich
+    norms, embedding scale, GELU, sliding + full layers with two RoPE tables, attention scale,
+    final softcap), with fp32 activations: equal to an fp32 forward of the same weights up
+    to the bf16 KV cache."""
+    from helpers import dequant_reference
+
+    q = _gemma3_exact(tmp_path, monkeypatch)
     assert q.info.extra["decode_path"].startswith("c (scalar"), q.info.extra
     t = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(1))
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
@@ -143,14 +149,9 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     of the same weights up to the bf16 KV cache; in chunks and continued from a later position
     it gives the same logits as in one piece."""
     from helpers import dequant_reference
-    from sparkq.runtime import fastpath, load
+    from sparkq.runtime import fastpath
 
-    src = make_llama(tmp_path / "g3", arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40,
-                     final_logit_softcapping=30.0)
-    out = tmp_path / "g3-int4"
-    convert(str(src), str(out), Options(progress=False, method="minmax"))
-    monkeypatch.setenv("SPARKQ_KERNEL", "exact")
-    q = load(str(out), max_model_len=64)
+    q = _gemma3_exact(tmp_path, monkeypatch)
     assert q.model.fast.prefill_off is None
     calls = []
     real = fastpath.FastDecoder.prefill

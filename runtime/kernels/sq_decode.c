@@ -770,6 +770,23 @@ void sq_work_free(void *p) {
     free(w);
 }
 
+/* One token's q/k/v row (q heads, k heads, v heads, contiguous) at position pos: q/k norms and
+ * RoPE in place, K and V into the layer's bf16 cache (the decode step and the prefill). */
+static void qk_rope_cache(const sq_model *m, const sq_layer *L, float *q, int64_t pos) {
+    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim;
+    const float *k = q + H * D, *v = k + KV * D;
+    for (int64_t h = 0; h < H + KV; h++) {
+        float *hv = q + h * D; /* q heads then k heads are contiguous */
+        if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
+        rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
+    }
+    for (int64_t h = 0; h < KV; h++)
+        for (int64_t j = 0; j < D; j++) {
+            L->kcache[(h * m->cap + pos) * D + j] = to_bf(k[h * D + j]);
+            L->vcache[(h * m->cap + pos) * D + j] = to_bf(v[h * D + j]);
+        }
+}
+
 /* ---- attention for one query token -------------------------------------------------------- */
 
 static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t pos) {
@@ -926,7 +943,7 @@ static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
 int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x, float *logits) {
     sq_work *w = work;
     if (pos < 0 || pos >= m->cap) return -1;
-    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t E = m->hidden, I = m->inter;
     const int off = (int)m->norm_offset;
     /* one parallel region per token: `single` blocks for the serial parts, worksharing loops
      * for the products and attention (each ends in a barrier), no fork/join per product */
@@ -947,19 +964,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             }
             products(&L->qkv, &w->a, w->qkv);
 #pragma omp single
-            {
-                float *q = w->qkv, *k = q + H * D, *v = k + KV * D;
-                for (int64_t h = 0; h < H + KV; h++) {
-                    float *hv = q + h * D; /* q heads then k heads are contiguous */
-                    if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, off, hv);
-                    rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
-                }
-                for (int64_t h = 0; h < KV; h++)
-                    for (int64_t j = 0; j < D; j++) {
-                        L->kcache[(h * m->cap + pos) * D + j] = to_bf(k[h * D + j]);
-                        L->vcache[(h * m->cap + pos) * D + j] = to_bf(v[h * D + j]);
-                    }
-            }
+            qk_rope_cache(m, L, w->qkv, pos);
             attention(m, L, w, pos);
 #pragma omp single
             prep(&L->o, w->att, &w->a);
@@ -1201,20 +1206,7 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
             if ((rc = linear_many(&L->qkv, xn, n, big))) break;
 #pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < n; t++) {
-                float *q = big + t * nqkv, *k = q + qd, *v = k + KV * D;
-                const int64_t p = p0 + t;
-                for (int64_t h = 0; h < H + KV; h++) {
-                    float *hv = q + h * D;
-                    if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, off, hv);
-                    rope(hv, L->cos + p * L->rot, L->sin + p * L->rot, L->rot);
-                }
-                for (int64_t h = 0; h < KV; h++)
-                    for (int64_t j = 0; j < D; j++) {
-                        L->kcache[(h * m->cap + p) * D + j] = to_bf(k[h * D + j]);
-                        L->vcache[(h * m->cap + p) * D + j] = to_bf(v[h * D + j]);
-                    }
-            }
+            for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
             attention_many(m, L, big, nqkv, p0, n, att, scr);
             if ((rc = linear_many(&L->o, att, n, xn))) break;
 #pragma omp parallel for schedule(static)
