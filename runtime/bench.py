@@ -260,13 +260,15 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         name = "llama.cpp" if len(ggufs) == 1 else f"llama.cpp {os.path.basename(g)}"
         runs.append((name, {"kind": "llama", "model": g, "load": {"threads": threads}}, {}))
     results: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+    ceilings = []  # one probe per pass, between the arms, so the box's drift hits it as it hits them
     for p in range(passes):
         for name, args, env in runs:
             args = {**args, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens}
             results[name].append(_run_child(args, env))
             if progress:
                 progress(f"pass {p + 1}/{passes} {name}")
-    ceiling = bandwidth_probe(threads)
+        ceilings.append(bandwidth_probe(threads))
+    ceiling = statistics.median(ceilings)
     out_arms = {}
     for name, _, env in runs:
         rs = results[name]
@@ -288,6 +290,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         a["ratio_to_control"] = {m: a[m]["median"] / ctrl[m]["median"] if ctrl[m]["median"] else None for m in METRICS}
     return {"model": model, "passes": passes, "threads": threads, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"), "read_ceiling_gb_s": ceiling,
+            "read_ceiling": _summ(ceilings),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "arms": out_arms}
 
 

@@ -118,6 +118,7 @@ def test_synth_convert_bench(tmp_path):
         w = sum(f.stat().st_size for f in (tmp_path / "q").glob("*.safetensors")) / 2**20
         assert a["rss_bound_mib"] == pytest.approx(w + a["kv_budget_mib"] + 150) and 0 < a["kv_budget_mib"] < 10
     assert r["arms"]["control"]["ratio_to_control"]["tg_tok_s"] == 1.0 and r["read_ceiling_gb_s"] > 0
+    assert len(r["read_ceiling"]["values"]) == r["passes"]  # one probe per pass, the median reported
     assert r["arms"]["passive"]["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     # prompts through sq_prefill by default; --prefill kernel (prefill_dequant=0) keeps the torch model
     assert r["arms"]["control"]["prefill_path"] == "c", r["arms"]["control"]

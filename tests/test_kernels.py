@@ -174,7 +174,7 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
 
 
 def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path):
-    """The AVX2 prefill (paired GEMM: K = 128; four-query score tiles: head_dim 32) on a
+    """The AVX2 prefill (paired GEMM: K = 128; score tiles of 4 keys x 8 queries: head_dim 32) on a
     sliding-window model: no further from fp32 compute than the torch prefill, and equal, up
     to summation order, to decode steps through the same cache."""
     from helpers import dequant_reference
