@@ -171,7 +171,8 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                              "products, bf16 and torch SDPA between them); dequant = the torch model with dequantize + "
                              "fp32 GEMM products; torch-int4-kernel = the same "
                              "model packed for torch's `_weight_int4pack_mm_for_cpu`. Decode GB/s = weight bytes read per "
-                             "token x tok/s; the ceiling is a streaming read with the same threads. Peak RSS: load = through "
+                             "token x tok/s; the ceiling is a streaming read with the same threads, probed once per "
+                             "pass between the arms (median). Peak RSS: load = through "
                              "load and a 16-token first answer (median); run = through the pp512 prefill and the decode "
                              "(max over passes); bound = weights file + the arm's KV budget (sized by the bench to "
                              "pp + 8 tokens) + 150 MiB.", "",
