@@ -787,6 +787,12 @@ static void qk_rope_cache(const sq_model *m, const sq_layer *L, float *q, int64_
         }
 }
 
+/* x += h (one token's residual stream), h normed first where the layer has a post-norm (gemma) */
+static void add_residual(const sq_model *m, const uint16_t *post_norm, float *h, float *x) {
+    if (post_norm) rms_norm(h, post_norm, m->hidden, m->eps, (int)m->norm_offset, h);
+    for (int64_t i = 0; i < m->hidden; i++) x[i] += h[i];
+}
+
 /* ---- attention for one query token -------------------------------------------------------- */
 
 static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t pos) {
@@ -971,8 +977,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             products(&L->o, &w->a, w->h);
 #pragma omp single
             {
-                if (L->post_attn_norm) rms_norm(w->h, L->post_attn_norm, E, m->eps, off, w->h);
-                for (int64_t i = 0; i < E; i++) x[i] += w->h[i];
+                add_residual(m, L->post_attn_norm, w->h, x);
                 rms_norm(x, L->mlp_norm, E, m->eps, off, w->xn);
                 prep(&L->gate_up, w->xn, &w->a);
             }
@@ -985,8 +990,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             products(&L->down, &w->a, w->h);
 #pragma omp single
             {
-                if (L->post_mlp_norm) rms_norm(w->h, L->post_mlp_norm, E, m->eps, off, w->h);
-                for (int64_t i = 0; i < E; i++) x[i] += w->h[i];
+                add_residual(m, L->post_mlp_norm, w->h, x);
             }
         }
 #pragma omp single
@@ -1242,21 +1246,15 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             if ((rc = linear_many(&L->o, att, n, xn))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) {
-                float *h = xn + t * E, *xt = x + t * E;
-                if (L->post_attn_norm) rms_norm(h, L->post_attn_norm, E, m->eps, off, h);
-                for (int64_t i = 0; i < E; i++) xt[i] += h[i];
-                rms_norm(xt, L->mlp_norm, E, m->eps, off, h);
+                add_residual(m, L->post_attn_norm, xn + t * E, x + t * E);
+                rms_norm(x + t * E, L->mlp_norm, E, m->eps, off, xn + t * E);
             }
             if ((rc = linear_many(&L->gate_up, xn, n, big))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) silu_mul(big + t * 2 * I, I, (int)m->act, xn + t * I);
             if ((rc = linear_many(&L->down, xn, n, big))) break;
 #pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < n; t++) {
-                float *h = big + t * E, *xt = x + t * E;
-                if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, E, m->eps, off, h);
-                for (int64_t i = 0; i < E; i++) xt[i] += h[i];
-            }
+            for (int64_t t = 0; t < n; t++) add_residual(m, L->post_mlp_norm, big + t * E, x + t * E);
         }
         if (rc) break;
         if (all) {
