@@ -102,7 +102,7 @@ def _attach_fast(model: Model, enabled: bool) -> str:
     model.fast = fastpath.FastDecoder(model, lib, torch.get_num_threads())
     fastpath.attach_linears(model, lib)
     built = sum(kernels.BUILD_SECONDS.values())
-    return (f"c ({'avx2' if lib.sq_simd() == 2 else 'scalar'}, {torch.get_num_threads()} threads"
+    return (f"c ({kernels.simd_name(lib)}, {torch.get_num_threads()} threads"
             + (f", compiled in {built:.1f} s" if built else "") + ")")
 
 

@@ -53,6 +53,11 @@ class SqModel(ctypes.Structure):
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", ctypes.c_void_p)]
 
 
+def simd_name(lib: ctypes.CDLL) -> str:
+    """The product kernels a build uses: sq_simd() 3 = AVX512-VNNI, 2 = AVX2, 0 = portable C."""
+    return {3: "avx512-vnni", 2: "avx2"}.get(lib.sq_simd(), "scalar")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPARKQ_CACHE") or Path.home() / ".cache" / "sparkq") / "kernels"
 

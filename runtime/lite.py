@@ -131,7 +131,7 @@ class LiteModel(Generator):
         tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
         super().__init__(self, tok)
         extra = {"hub": hub} if hub else {}
-        extra["decode_path"] = f"c ({'avx2' if lib.sq_simd() == 2 else 'scalar'}, {threads} threads, lite: no torch)"
+        extra["decode_path"] = f"c ({K.simd_name(lib)}, {threads} threads, lite: no torch)"
         extra["prefill_path"] = "c"
         extra["threads"] = threads
         self.info = LoadInfo(str(path), "artifact", art.layout, time.perf_counter() - t0, cap, self.k.nbytes * 2,

@@ -52,6 +52,8 @@ CASES = {  # name -> builder; shapes cover the 4-row blocks, their remainders an
     "int4-g64": lambda: _int4(48, 576, 64),          # paired AVX2 path, one pair per group
     "int4-g128-bias": lambda: _int4(64, 256, 128, bias=True),
     "int4-g128-blocks": lambda: _int4(1041, 256, 128),  # prefill GEMM: 2 row blocks, odd tail row
+    "int4-g64-chunks": lambda: _int4(32, 4416, 64),  # 34.5 VNNI steps: two column chunks, a half step
+    "int4-g256-chunks": lambda: _int4(48, 8448, 256),  # 66 VNNI steps, two per group, three chunks
     "int8": lambda: _int8(83, 160),                  # 83 rows: one-row tail
     "bf16": lambda: _bf16(37, 72),                   # K not a multiple of 8: scalar tail
 }
@@ -82,7 +84,8 @@ def test_products_match_fp64_within_the_a8_budget(case):
     assert ((out["native"] - out["scalar"]).norm() / ref.norm()).item() < 1e-5, case
 
 
-@pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8"])
+@pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8", "int4-g64-chunks",
+                                  "int4-g256-chunks"])
 def test_batch_equals_single_products_and_dequant(case):
     L, w, b, keep = CASES[case]()
     lib = _lib("native")

@@ -33,6 +33,9 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(SQ_SCALAR)
 #define SQ_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SQ_AVX512 1 /* int4 products with VNNI (vpdpbusd), 128 columns per instruction pair */
+#endif
 #include <immintrin.h>
 #endif
 
@@ -90,24 +93,32 @@ static inline float hsum8(__m256 v) {
 /* ---- activation blocks --------------------------------------------------------------- */
 
 typedef struct {
-    int8_t *q;    /* [K] codes; natural column order, or "paired" (see quantize_act) */
+    int8_t *q;    /* [K rounded up to 128] codes; natural column order, or "paired"/"quad" (see quantize_act) */
     float *s8;    /* [K/32 * 4] scale per 8 columns: s8[4b + i] for sub-block i of block b */
     float *gsum;  /* [K/g] exact fp32 sum of x per weight group */
     float *gqsum; /* [K/g] sum of the quantized x per weight group */
     const float *x;
-    int paired;
+    int paired;   /* 0 natural order, 1 paired (AVX2 int4), 2 quad (AVX512 int4) */
+    uint64_t epoch;       /* product counter (32 bits), see products() */
+    struct sq_slot *slot; /* [SQ_MAXT] work-stealing ranges, one cache line each */
 } sq_act;
 
+#define SQ_MAXT 64
+typedef struct sq_slot { uint64_t v; char pad[56]; } sq_slot;
+
 static int sq_act_alloc(sq_act *a, int64_t maxk) {
-    a->q = malloc(maxk);
+    a->q = malloc((maxk + 127) / 128 * 128);
     a->s8 = malloc(sizeof(float) * (maxk / 32 + 2) * 4);
     a->gsum = malloc(sizeof(float) * (maxk / 32 + 1));
     a->gqsum = malloc(sizeof(float) * (maxk / 32 + 1));
-    return a->q && a->s8 && a->gsum && a->gqsum;
+    a->slot = aligned_alloc(64, sizeof(sq_slot) * SQ_MAXT);
+    if (a->slot) memset(a->slot, 0, sizeof(sq_slot) * SQ_MAXT);
+    a->epoch = 0;
+    return a->q && a->s8 && a->gsum && a->gqsum && a->slot;
 }
 
 static void sq_act_free(sq_act *a) {
-    free(a->q); free(a->s8); free(a->gsum); free(a->gqsum);
+    free(a->q); free(a->s8); free(a->gsum); free(a->gqsum); free(a->slot);
 }
 
 /* Quantize x [k] for a product with L, one int8 scale per 8 columns (a->s8[4b + i]):
@@ -120,11 +131,17 @@ static void sq_act_free(sq_act *a) {
  * For an int4 L on AVX2 with K % 64 == 0 and g % 64 == 0 the codes go in "paired" order: for
  * block pair p, bytes 64p..64p+31 hold columns 0..15 of blocks 2p and 2p+1, bytes 64p+32..63
  * their columns 16..31 -- the order in which one 32-byte load of two weight blocks yields its
- * low and high nibbles. */
+ * low and high nibbles. With AVX512-VNNI the same holds for 64-byte loads ("quad" order): for
+ * block quad p, bytes 128p..128p+63 hold columns 0..15 of blocks 4p..4p+3, bytes 128p+64..127
+ * their columns 16..31 (a last quad of two blocks when K % 128 == 64 keeps the same offsets, so
+ * the buffer is K rounded up to 128). Lane l of a VNNI product of quad p then covers sub-block
+ * l % 4 of block 4p + l / 4, whose scale is s8[16p + l]. */
 static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
     const int64_t k = L->k, G = L->kind == KIND_INT4 ? L->g : 32;
     a->x = x;
-#ifdef SQ_AVX2
+#if defined(SQ_AVX512)
+    a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0 ? 2 : 0;
+#elif defined(SQ_AVX2)
     a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0;
 #else
     a->paired = 0;
@@ -132,7 +149,8 @@ static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
     for (int64_t gi = 0; gi < k / G; gi++) a->gsum[gi] = a->gqsum[gi] = 0.f;
     for (int64_t b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
-        int8_t *dst = a->q + (a->paired ? 64 * (b / 2) + 16 * (b % 2) : 32 * b);
+        const int64_t span = a->paired == 2 ? 128 : 64; /* bytes per pair / quad of blocks */
+        int8_t *dst = a->q + (a->paired ? span * (b / (span / 32)) + 16 * (b % (span / 32)) : 32 * b);
         float d[4] = {0.f, 0.f, 0.f, 0.f}, sum = 0.f;
         int32_t qs[4] = {0, 0, 0, 0};
 #ifdef SQ_AVX2
@@ -171,7 +189,7 @@ static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
         q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         if (a->paired) {
             _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(q8));
-            _mm_storeu_si128((__m128i *)(dst + 32), _mm256_extracti128_si256(q8, 1));
+            _mm_storeu_si128((__m128i *)(dst + span / 2), _mm256_extracti128_si256(q8, 1));
         } else {
             _mm256_storeu_si256((__m256i *)dst, q8);
         }
@@ -248,6 +266,112 @@ static void rows_int4_avx2(const sq_linear *L, const sq_act *a, float *y, int64_
     for (int64_t n = r0; n < r1; n++) int4_row(L, a, y, n, ahead);
 }
 
+#ifdef SQ_AVX512
+/* The weight scales of quad step p (128 columns) from a row's fp32 group scales s: one group
+ * (g >= 128; gsh = log2(g / 128)) or two (g = 64, gsh < 0: lanes 0-7, 8-15). */
+static inline __m512 step_scales(const float *s, int gsh, int64_t p) {
+    if (gsh < 0) return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[2 * p]), _mm512_set1_ps(s[2 * p + 1]));
+    return _mm512_set1_ps(s[p >> gsh]);
+}
+
+static inline int group_shift(int64_t G) { return G == 64 ? -1 : __builtin_ctzll((uint64_t)G) - 7; }
+
+/* int4 x quad int8 activations, one row (VNNI): per 128 columns one 64-byte weight load, two
+ * masks, two vpdpbusd, a convert and two FMAs (activation scales, weight scales). A last
+ * half step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
+/* R rows n.. of int4 x quad int8 activations (VNNI). sc: the rows' fp32 weight scales
+ * [R][K/g]; zt: their zero and -8 terms. Per 128 columns one 64-byte weight load per row, two
+ * masks, two vpdpbusd, a convert and two FMAs (activation scales, weight scales); a last half
+ * step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
+static inline __attribute__((always_inline)) void int4_rows512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                               const float *sc, const float *zt, int64_t ahead, const int R) {
+    const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const uint8_t *w = L->q + n * rb;
+    __m512 acc[2], gacc[2];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t spg = G == 64 ? 1 : G / 128;
+    if (G <= 128) /* one step per scale vector: no group accumulator */
+        for (int64_t p = 0; p < nq; p++) {
+            const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
+            const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
+            const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
+            for (int r = 0; r < R; r++) {
+                const __m512i wv = _mm512_loadu_si512((const void *)(w + r * rb + 64 * p));
+                _mm_prefetch((const char *)(w + (ahead + r) * rb + 64 * p), _MM_HINT_T0);
+                const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl);
+                d = _mm512_dpbusd_epi32(d, hi, xh);
+                const __m512 sv = G == 64 ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[r * ng + 2 * p]), _mm512_set1_ps(sc[r * ng + 2 * p + 1]))
+                                          : _mm512_set1_ps(sc[r * ng + p]);
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xs), sv, acc[r]);
+            }
+        }
+    else
+    for (int64_t gi = 0, p = 0; p < nq; gi++) { /* gi: the (first) group of step p */
+        for (int r = 0; r < R; r++) gacc[r] = _mm512_setzero_ps();
+        for (int64_t pe = p + spg; p < pe; p++) {
+            const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
+            const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
+            const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
+            for (int r = 0; r < R; r++) {
+                const __m512i wv = _mm512_loadu_si512((const void *)(w + r * rb + 64 * p));
+                _mm_prefetch((const char *)(w + (ahead + r) * rb + 64 * p), _MM_HINT_T0);
+                const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl);
+                d = _mm512_dpbusd_epi32(d, hi, xh);
+                gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, gacc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 sv = G == 64 ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[r * ng + gi]), _mm512_set1_ps(sc[r * ng + gi + 1]))
+                                      : _mm512_set1_ps(sc[r * ng + gi]);
+            acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
+        }
+        if (G == 64) gi++;
+    }
+    for (int r = 0; r < R; r++) {
+        float t = 0.f;
+        if (K % 128) { /* the last 64 columns (one group) through 256-bit VNNI */
+            const int64_t p = nq;
+            const __m256i m4h = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + r * rb + 64 * p));
+            const __m256i lo = _mm256_and_si256(wv, m4h), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4h);
+            __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(a->q + 128 * p)));
+            d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(a->q + 128 * p + 64)));
+            t = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(a->s8 + 16 * p))) * sc[r * ng + ng - 1];
+        }
+        y[n + r] = _mm512_reduce_add_ps(acc[r]) + t + zt[r];
+    }
+}
+
+/* Rows [r0, r1), 16 at a time. A chunk's scales and zeros are one cache line per
+ * group ([K/g, N, 2]); they are converted up front into per-row scales and zero terms, so
+ * the row loop reads only the weights and the activations. */
+static void rows_int4_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    if (r1 - r0 > 16) {
+        for (int64_t c = r0; c < r1; c += 16) rows_int4_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1);
+        return;
+    }
+    const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, nr = r1 - r0;
+    const int64_t ahead = (8192 + rb - 1) / rb > 2 ? (8192 + rb - 1) / rb : 2;
+    float sc[16 * 256], zt[16];
+    if (ng > 256) { rows_int4_avx2(L, a, y, r0, r1); return; } /* not reached: quad order is for K <= 32768 */
+    for (int64_t i = 0; i < nr; i++) zt[i] = 0.f;
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const uint16_t *p = L->sz + 2 * (gi * N + r0);
+        if (r0 + 48 < N) _mm_prefetch((const char *)(p + 2 * 32), _MM_HINT_T0);
+        for (int64_t i = 0; i < nr; i++) {
+            const float s = bf(p[2 * i]), z = bf(p[2 * i + 1]);
+            sc[i * ng + gi] = s;
+            zt[i] += z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
+        }
+    }
+    int64_t i = 0;
+    for (; i + 2 <= nr; i += 2) int4_rows512(L, a, y, r0 + i, sc + i * ng, zt + i, ahead, 2);
+    for (; i < nr; i++) int4_rows512(L, a, y, r0 + i, sc + i * ng, zt + i, ahead, 1);
+}
+#endif
+
 static inline __attribute__((always_inline)) void int8_rows_r(const sq_linear *L, const sq_act *a, float *y, int64_t n,
                                                              const int R) {
     const int64_t K = L->k;
@@ -268,10 +392,57 @@ static inline __attribute__((always_inline)) void int8_rows_r(const sq_linear *L
     for (int r = 0; r < R; r++) y[n + r] = hsum8(acc[r]) * bf(L->sz[n + r]);
 }
 
-static void rows_int8_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+static __attribute__((unused)) void rows_int8_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     /* one row at a time: measured 2x faster than 2 or 4 rows sharing the activation loads */
     for (int64_t n = r0; n < r1; n++) int8_rows_r(L, a, y, n, 1);
 }
+
+#ifdef SQ_AVX512
+/* Int8 rows (natural activation order) with VNNI. vpdpbusd wants unsigned x signed bytes: the
+ * weights go in with their sign bit flipped (w + 128) and each product starts from
+ * -128 * (the sum of the activations in its lane), computed once per 64 columns for all rows.
+ * Lane l of 64 columns p covers columns 4(l % 8).. of block 2p + l / 8: sub-block l % 4. */
+static inline __attribute__((always_inline)) void int8_rows512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                               int64_t ahead, const int R) {
+    const int64_t K = L->k;
+    const int8_t *w = (const int8_t *)L->q + n * K;
+    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    const __m512i perm = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; 64 * p + 64 <= K; p++) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(a->q + 64 * p));
+        const __m512i corr = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(),
+                                                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, xv)), 7);
+        const __m512 xs = _mm512_permutexvar_ps(perm, _mm512_castps256_ps512(_mm256_loadu_ps(a->s8 + 8 * p)));
+        for (int r = 0; r < R; r++) {
+            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * K + 64 * p)), flip);
+            _mm_prefetch((const char *)(w + (ahead + r) * K + 64 * p), _MM_HINT_T0);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wv, xv)), xs, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float t = 0.f;
+        if (K % 64) { /* the last 32 columns (K % 32 == 0) */
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p));
+            const __m256i corr = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(),
+                                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), xv)), 7);
+            const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + r * K + 64 * p)), _mm256_set1_epi8((char)0x80));
+            t = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, wv, xv)),
+                                    _mm256_broadcast_ps((const __m128 *)(a->s8 + 8 * p))));
+        }
+        y[n + r] = (_mm512_reduce_add_ps(acc[r]) + t) * bf(L->sz[n + r]);
+    }
+}
+
+static void rows_int8_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    const int64_t ahead = (8192 + L->k - 1) / L->k > 2 ? (8192 + L->k - 1) / L->k : 2;
+    int64_t n = r0;
+    for (; n + 2 <= r1; n += 2) int8_rows512(L, a, y, n, ahead, 2);
+    for (; n < r1; n++) int8_rows512(L, a, y, n, ahead, 1);
+}
+#endif
 #endif
 
 /* portable versions (natural activation order) */
@@ -367,43 +538,108 @@ static void rows_exact(const sq_linear *L, const float *x, float *y, int64_t r0,
 }
 #endif
 
-/* y = L x (+ bias); a is the activation workspace */
 /* Products are split in two so that a whole decode step runs in one parallel region:
- * prep() runs on one thread (inside an `omp single`), products() is a worksharing loop
- * that every thread of the region enters (its implicit barrier ends the product). */
+ * prep() runs on one thread (inside an `omp single`), products() is entered by every thread of
+ * the region and ends in a barrier. */
 static void prep(const sq_linear *L, const float *x, sq_act *a) {
     if (L->kind != KIND_BF16) quantize_act(x, L, a);
     a->x = x;
+    a->epoch = (a->epoch + 1) & 0xffffffffu;
 }
 
-static void products(const sq_linear *L, const sq_act *a, float *y) {
-    const int64_t N = L->n;
-    const float *x = a->x;
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < (N + 15) / 16; c++) {
-        int64_t r0 = c * 16, r1 = r0 + 16 < N ? r0 + 16 : N;
+/* rows [r0, r1) of y = L x (+ bias) */
+static void rows(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
 #ifdef SQ_EXACT
-        if (L->kind != KIND_BF16) rows_exact(L, x, y, r0, r1);
+    if (L->kind != KIND_BF16) rows_exact(L, a->x, y, r0, r1);
+    else
+#endif
+    if (L->kind == KIND_INT4) {
+#ifdef SQ_AVX512
+        if (a->paired == 2) rows_int4_avx512(L, a, y, r0, r1);
         else
 #endif
-        if (L->kind == KIND_INT4) {
 #ifdef SQ_AVX2
-            if (a->paired) rows_int4_avx2(L, a, y, r0, r1);
-            else
+        if (a->paired) rows_int4_avx2(L, a, y, r0, r1);
+        else
 #endif
-            rows_int4_c(L, a, y, r0, r1);
-        } else if (L->kind == KIND_INT8) {
+        rows_int4_c(L, a, y, r0, r1);
+    } else if (L->kind == KIND_INT8) {
 #ifdef SQ_AVX2
-            rows_int8_avx2(L, a, y, r0, r1);
+#ifdef SQ_AVX512
+        rows_int8_avx512(L, a, y, r0, r1);
 #else
-            rows_int8_c(L, a, y, r0, r1);
+        rows_int8_avx2(L, a, y, r0, r1);
 #endif
-        } else {
-            rows_bf16(L, x, y, r0, r1);
-        }
-        if (L->bias)
-            for (int64_t n = r0; n < r1; n++) y[n] += bf(L->bias[n]);
+#else
+        rows_int8_c(L, a, y, r0, r1);
+#endif
+    } else {
+        rows_bf16(L, a->x, y, r0, r1);
     }
+    if (L->bias)
+        for (int64_t n = r0; n < r1; n++) y[n] += bf(L->bias[n]);
+}
+
+/* Work stealing. The blocks of a product are split into one contiguous range per thread, as a
+ * static schedule would; a thread takes blocks from the front of its own range and, when that
+ * is empty, from the back of the other threads' ranges. On a quiet machine each thread streams
+ * its own contiguous rows (what the hardware prefetcher wants; a dynamic schedule that deals
+ * blocks out in turn was measured ~8% slower); on a shared one a thread that loses its core
+ * for a while no longer holds up the whole step at the next barrier with its untouched half.
+ * A slot packs (epoch:32 | lo:16 | hi:16) in one word changed by compare-and-swap; a slot whose
+ * epoch is not the current product's is read as its initial range, so no barrier is needed to
+ * reset the slots (every owner rewrites its own slot once per product, so a stale epoch is one
+ * product old; only a slot above a later-lowered thread count could wait 2^32 products). */
+static int claim(sq_slot *s, uint64_t ep, uint64_t lo0, uint64_t hi0, int back, int64_t *blk) {
+    uint64_t cur = __atomic_load_n(&s->v, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const int fresh = (cur >> 32) == ep;
+        const uint64_t lo = fresh ? (cur >> 16) & 0xffff : lo0, hi = fresh ? cur & 0xffff : hi0;
+        if (lo >= hi) {
+            if (!fresh) __atomic_compare_exchange_n(&s->v, &cur, ep << 32 | lo << 16 | hi, 0, __ATOMIC_ACQ_REL,
+                                                    __ATOMIC_ACQUIRE);
+            return 0;
+        }
+        const uint64_t nlo = back ? lo : lo + 1, nhi = back ? hi - 1 : hi;
+        if (__atomic_compare_exchange_n(&s->v, &cur, ep << 32 | nlo << 16 | nhi, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *blk = back ? (int64_t)hi - 1 : (int64_t)lo;
+            return 1;
+        }
+    }
+}
+
+static int g_static_sched = -1; /* SPARKQ_SCHED=static: the plain static schedule (for comparison) */
+
+static void products(const sq_linear *L, const sq_act *a, float *y) {
+    const int64_t N = L->n, chunks = (N + 15) / 16;
+    if (g_static_sched < 0) {
+        const char *e = getenv("SPARKQ_SCHED");
+        g_static_sched = e && !strcmp(e, "static");
+    }
+#ifdef _OPENMP
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int nt = 1, t = 0;
+#endif
+    if (nt == 1 || nt > SQ_MAXT || g_static_sched) {
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) rows(L, a, y, c * 16, c * 16 + 16 < N ? c * 16 + 16 : N);
+        return;
+    }
+    /* blocks of >= 16 KiB of weights (one compare-and-swap per ~1 us of streaming) */
+    const int64_t rowbytes = L->kind == KIND_INT4 ? L->k / 2 : L->kind == KIND_INT8 ? L->k : 2 * L->k;
+    int64_t per = (16384 + 16 * rowbytes - 1) / (16 * rowbytes);
+    if (per < 1) per = 1;
+    if ((chunks + per - 1) / per > 0xffff) per = (chunks + 0xfffe) / 0xffff; /* 16-bit block indices */
+    const int64_t nb = (chunks + per - 1) / per, rpb = 16 * per;
+    const uint64_t ep = a->epoch;
+    int64_t b;
+    for (int i = 0; i < nt; i++) {
+        const int v = (t + i) % nt;
+        while (claim(&a->slot[v], ep, (uint64_t)(nb * v / nt), (uint64_t)(nb * (v + 1) / nt), i > 0, &b))
+            rows(L, a, y, b * rpb, (b + 1) * rpb < N ? (b + 1) * rpb : N);
+    }
+#pragma omp barrier
 }
 
 /* y = L x (+ bias), from outside a parallel region */
@@ -495,6 +731,91 @@ static inline __attribute__((always_inline)) void int4_tiles(const sq_linear *L,
         for (int64_t n = n0; n < n1; n++) int4_tile(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, g0, g1, add, 1, PPG);
 }
 
+#ifdef SQ_AVX512
+/* AVX512-VNNI (quad activations): register tiles of R weight rows x T tokens. Per 128 columns
+ * each row's 64 weight bytes are unpacked once (and, shift, and) for all T tokens and each
+ * token's activations are loaded once for all R rows; per (row, token) two vpdpbusd, a
+ * convert, a multiply by the activation scales and an FMA by the row's weight scales. */
+#ifndef PR /* overridable for tuning builds */
+#define PR 2
+#define PT 6
+#endif
+static inline __attribute__((always_inline)) void int4_tile512(const sq_linear *L, const sq_act *a, const float *sw,
+                                                               float *Y, int64_t ldy, int64_t col, int64_t n, int64_t t0,
+                                                               int64_t q0, int64_t q1, int tail, int add, const int R,
+                                                               const int T) {
+    const int64_t K = L->k, rb = K / 2, ng = K / L->g;
+    const int gsh = group_shift(L->g);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const int8_t *xq[PT];
+    const float *xs8[PT];
+    for (int t = 0; t < T; t++) xq[t] = a[t0 + t].q, xs8[t] = a[t0 + t].s8;
+    __m512 acc[PR][PT];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t p = q0; p < q1; p++) {
+        __m512i lo[PR], hi[PR];
+        __m512 sv[PR];
+        for (int r = 0; r < R; r++) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(L->q + (n + r) * rb + 64 * p));
+            lo[r] = _mm512_and_si512(wv, m4);
+            hi[r] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+            sv[r] = step_scales(sw + r * ng, gsh, p);
+        }
+        for (int t = 0; t < T; t++) {
+            const __m512i xl = _mm512_loadu_si512((const void *)(xq[t] + 128 * p));
+            const __m512i xh = _mm512_loadu_si512((const void *)(xq[t] + 128 * p + 64));
+            const __m512 s8 = _mm512_loadu_ps(xs8[t] + 16 * p);
+            for (int r = 0; r < R; r++) {
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xl);
+                d = _mm512_dpbusd_epi32(d, hi[r], xh);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), s8), sv[r], acc[r][t]);
+            }
+        }
+    }
+    float tl[PR][PT];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) tl[r][t] = 0.f;
+    if (tail) { /* K % 128 == 64: the last 64 columns, one group (g = 64) */
+        const int64_t p = q1;
+        const __m256i m4h = _mm256_set1_epi8(0x0f);
+        for (int r = 0; r < R; r++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(L->q + (n + r) * rb + 64 * p));
+            const __m256i lo = _mm256_and_si256(wv, m4h), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4h);
+            const float sc = sw[r * ng + ng - 1];
+            for (int t = 0; t < T; t++) {
+                __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq[t] + 128 * p)));
+                d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(xq[t] + 128 * p + 64)));
+                tl[r][t] = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xs8[t] + 16 * p))) * sc;
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) {
+            float *o = Y + (t0 + t) * ldy + col + r;
+            const float v = _mm512_reduce_add_ps(acc[r][t]) + tl[r][t];
+            *o = add ? *o + v : v;
+        }
+}
+
+/* Y[t * ldy + n - n0]: tiles for rows [n0, n1) and all M tokens over quad steps [q0, q1) */
+static void int4_tiles512(const sq_linear *L, const sq_act *a, int64_t M, const float *sw, float *Y, int64_t ldy,
+                          int64_t n0, int64_t n1, int64_t q0, int64_t q1, int tail, int add) {
+    const int64_t ng = L->k / L->g;
+    int64_t t = 0;
+    for (; t + PT <= M; t += PT) {
+        int64_t n = n0;
+        for (; n + PR <= n1; n += PR) int4_tile512(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, q0, q1, tail, add, PR, PT);
+        for (; n < n1; n++) int4_tile512(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, q0, q1, tail, add, 1, PT);
+    }
+    for (; t < M; t++) {
+        int64_t n = n0;
+        for (; n + PR <= n1; n += PR) int4_tile512(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, q0, q1, tail, add, PR, 1);
+        for (; n < n1; n++) int4_tile512(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, q0, q1, tail, add, 1, 1);
+    }
+}
+#endif
+
 /* 8 fp32 -> 8 bf16, round to nearest even (NaN stays NaN), as to_bf */
 static inline __m128i to_bf8(__m256 f) {
     const __m256i u = _mm256_castps_si256(f);
@@ -522,12 +843,23 @@ static void int4_gemm_block(const sq_linear *L, const sq_act *a, int64_t M, floa
             zt[g * nb + n - n0] = z;
             zt[(ng + g) * nb + n - n0] = -8.f * s;
         }
+#ifdef SQ_AVX512
+    if (a[0].paired == 2) {
+        const int64_t nq = L->k / 128, qc = KC_BYTES / 128; /* quad steps, per column chunk */
+        for (int64_t q0 = 0; q0 < nq || (q0 == 0 && L->k % 128); q0 += qc) {
+            const int64_t q1 = q0 + qc < nq ? q0 + qc : nq;
+            int4_tiles512(L, a, M, sw, Yw, ldy, n0, n1, q0, q1, q1 == nq && L->k % 128, q0 > 0);
+        }
+    } else
+#endif
+    {
     const int64_t gc = KC_BYTES / L->g > 0 ? KC_BYTES / L->g : 1; /* groups per column chunk */
     for (int64_t g0 = 0; g0 < ng; g0 += gc) {
         const int64_t g1 = g0 + gc < ng ? g0 + gc : ng;
         if (ppg == 1) int4_tiles(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 1);
         else if (ppg == 2) int4_tiles(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 2);
         else int4_tiles(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 4);
+    }
     }
     for (int64_t t = 0; t < M; t++) {
         const float *gs = a[t].gsum, *gq = a[t].gqsum;
@@ -582,7 +914,8 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
     const int64_t K = L->k, N = L->n;
     if (L->kind == KIND_BF16 || (!Y && !ybf)) return -2;
     sq_act *a = calloc(M, sizeof(sq_act));
-    int8_t *qbuf = malloc(M * K);
+    const int64_t Kp = (K + 127) / 128 * 128; /* quad order pads the codes to 128 columns */
+    int8_t *qbuf = malloc(M * Kp);
     float *fbuf = malloc(sizeof(float) * M * (K / 32 + 1) * 6); /* gsum, gqsum, s8 per token */
     if (!a || !qbuf || !fbuf) { free(a); free(qbuf); free(fbuf); return -1; }
     const int64_t fs = (K / 32 + 1) * 6;
@@ -597,7 +930,7 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < M; t++) {
             float *f = fbuf + t * fs;
-            a[t].q = qbuf + t * K;
+            a[t].q = qbuf + t * Kp;
             a[t].gsum = f;
             a[t].gqsum = f + (K / 32 + 1);
             a[t].s8 = f + 2 * (K / 32 + 1);
@@ -833,8 +1166,10 @@ static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t 
 
 int sq_abi(void) { return SQ_ABI; }
 
-int sq_simd(void) {
-#ifdef SQ_AVX2
+int sq_simd(void) { /* 3 AVX512-VNNI, 2 AVX2, 0 portable */
+#if defined(SQ_AVX512)
+    return 3;
+#elif defined(SQ_AVX2)
     return 2;
 #else
     return 0;
