@@ -35,6 +35,9 @@
 #define SQ_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define SQ_AVX512 1 /* int4 products with VNNI (vpdpbusd), 128 columns per instruction pair */
+#if defined(__AVX512BF16__)
+#define SQ_BF16 1 /* prefill GEMM: int4 row blocks dequantized to bf16, vdpbf16ps (see bf16_gemm) */
+#endif
 #endif
 #include <immintrin.h>
 #endif
@@ -905,6 +908,181 @@ static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linea
 }
 #endif
 
+#ifdef SQ_BF16
+/* ---- prefill GEMM on CPUs with AVX512-BF16: W4A16 -------------------------------------------
+ * Many tokens at once amortize a dequantization: each block of NBR weight rows is dequantized
+ * (w = q * s + (z - 8 s) in fp32, as sq_dequant_rows, rounded to bf16) into a per-thread scratch
+ * of K/2 x NBR dwords -- dword (c, r) holds the bf16 pair (w[r][2c], w[r][2c+1]), 16 rows per
+ * cache line -- and every tile of BT tokens multiplies it with vdpbf16ps: per column pair, RV
+ * weight loads and, per token, a dword broadcast of its two bf16 activations and RV vdpbf16ps
+ * (fp32 accumulators, one lane per row, RV x BT in registers). The activations are
+ * rounded to bf16 (vcvtne2ps2bf16: nearest even) once per call into tiles of [K/32][BT][16] pairs. No int8 activations: the prefill
+ * then carries no A8 error (its products differ from the decode step's W4A8 ones within that
+ * budget). The scratch is transient, per call, per thread (K * 2 * NBR bytes); nothing is kept.
+ * Measured on the AVX512-BF16 box (Zen 5, 2 threads, 512 rows, `python -m sparkq.cli.gemmbench`):
+ * see README "Prefill". */
+#ifndef BT
+#define BT 8  /* tokens per tile */
+#endif
+#ifndef RV
+#define RV 2  /* 16-row vectors per weight block: RV x BT accumulators */
+#endif
+#define NBR (16 * RV) /* rows per weight block */
+#define BF16_GEMM_MIN_M 32 /* fewer tokens: the W4A8 GEMM (no dequantization to amortize) */
+static int g_no_bf16 = 0;  /* sq_set_prefill_bf16(0): the W4A8 GEMM for every M (tests, comparisons) */
+
+/* RNE bf16 of a (low half) and b (high half) of each lane; no NaN handling (finite weights
+ * and activations) */
+static inline __m512i bf16_pairs(__m512 a, __m512 b) {
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
+    const __m512i ra = _mm512_add_epi32(ua, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ua, 16), one)));
+    const __m512i rb = _mm512_add_epi32(ub, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ub, 16), one)));
+    return _mm512_or_si512(_mm512_srli_epi32(ra, 16), _mm512_and_si512(rb, _mm512_set1_epi32((int)0xffff0000)));
+}
+
+/* bf16 pairs (a in the low half, b in the high half of each lane), RNE by vcvtne2ps2bf16 */
+static inline __m512i bf16_pairs_hw(__m512 a, __m512 b) {
+    static const uint16_t ilv16[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i ilv = _mm512_loadu_si512((const void *)ilv16);
+    return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(b, a)); /* [a0..a15 | b0..b15] -> a0 b0 a1 b1 .. */
+}
+
+/* rows [n0, n0 + NBR) of L (rows >= N as zeros) -> wp [K/2][NBR] bf16 pairs */
+static void dequant_pairs(const sq_linear *L, int64_t n0, uint32_t *wp) {
+    const int64_t K = L->k, N = L->n, G = L->g, rb = K / 2;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i pick[4]; /* byte i of each dword -> the dword's low byte, other bytes 0 (vpshufb works
+                      * within 16-byte lanes: indices are lane-relative) */
+    for (int i = 0; i < 4; i++) {
+        char c[64];
+        for (int j = 0; j < 64; j++) c[j] = j % 4 == 0 ? (char)(j % 16 + i) : (char)0x80;
+        pick[i] = _mm512_loadu_si512((const void *)c);
+    }
+    const __m512i rowoff = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)rb));
+    for (int h = 0; h < RV; h++) {
+        const int64_t r0 = n0 + 16 * h, left = N - r0;
+        const __mmask16 valid = left <= 0 ? 0 : left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        if (!valid) {
+            for (int64_t c = 0; c < K / 2; c++) _mm512_storeu_si512((void *)(wp + c * NBR + 16 * h), _mm512_setzero_si512());
+            continue;
+        }
+        const uint8_t *base = L->q + r0 * rb;
+        for (int64_t gi = 0; gi < K / G; gi++) {
+            /* (scale, zero) of 16 rows: one dword each, scale in the low half */
+            const __m512i p = _mm512_maskz_loadu_epi32(valid, (const void *)(L->sz + 2 * (gi * N + r0)));
+            const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+            const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000)));
+            const __m512 cv = _mm512_sub_ps(zv, _mm512_mul_ps(_mm512_set1_ps(8.f), sv));
+            for (int64_t b = gi * (G / 32); b < (gi + 1) * (G / 32); b++)
+                for (int j = 0; j < 16; j += 4) {
+                    /* bytes 16b + j .. + 3 of each row: columns 32b + j + i (low nibbles) and
+                     * 32b + 16 + j + i (high nibbles), i < 4 */
+                    const __m512i u = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
+                                                                  _mm512_add_epi32(rowoff, _mm512_set1_epi32((int)(16 * b + j))),
+                                                                  (const void *)base, 1);
+                    const __m512i lo = _mm512_and_si512(u, m4), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), m4);
+                    __m512 f[8];
+                    for (int i = 0; i < 4; i++) {
+                        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(lo, pick[i])), sv, cv);
+                        f[4 + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(hi, pick[i])), sv, cv);
+                    }
+                    uint32_t *d0 = wp + (16 * b + j / 2) * NBR + 16 * h, *d1 = wp + (16 * b + 8 + j / 2) * NBR + 16 * h;
+                    _mm512_storeu_si512((void *)d0, bf16_pairs_hw(f[0], f[1]));
+                    _mm512_storeu_si512((void *)(d0 + NBR), bf16_pairs_hw(f[2], f[3]));
+                    _mm512_storeu_si512((void *)d1, bf16_pairs_hw(f[4], f[5]));
+                    _mm512_storeu_si512((void *)(d1 + NBR), bf16_pairs_hw(f[6], f[7]));
+                }
+        }
+    }
+}
+
+/* NBR rows (wp) x BT tokens (xt: the tile's pairs, [K/32][BT][16]: 16 column pairs of one
+ * token in one cache line) -> Y / ybf rows t0.. (first nt valid), columns n0.. (m[h]: the valid
+ * rows of vector h) */
+static void bf16_tile(const uint32_t *wp, const uint32_t *xt, int64_t K, int64_t N, int64_t t0, int64_t nt, int64_t n0,
+                      const __mmask16 *m, float *Y, uint16_t *ybf) {
+    __m512 acc[RV][BT];
+    for (int h = 0; h < RV; h++)
+        for (int t = 0; t < BT; t++) acc[h][t] = _mm512_setzero_ps();
+    for (int64_t cb = 0; cb < K / 32; cb++) {
+        const uint32_t *xb = xt + cb * BT * 16, *wb = wp + cb * 16 * NBR;
+        for (int ci = 0; ci < 16; ci++) {
+            __m512bh w[RV];
+            for (int h = 0; h < RV; h++) w[h] = (__m512bh)_mm512_loadu_si512((const void *)(wb + ci * NBR + 16 * h));
+            for (int t = 0; t < BT; t++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xb[t * 16 + ci]);
+                for (int h = 0; h < RV; h++) acc[h][t] = _mm512_dpbf16_ps(acc[h][t], w[h], xv);
+            }
+        }
+    }
+    for (int64_t t = 0; t < nt; t++)
+        for (int h = 0; h < RV; h++) {
+            if (!m[h]) continue;
+            const int64_t o = (t0 + t) * N + n0 + 16 * h;
+            if (ybf) {
+                const __m256i v = _mm256_setr_m128i(to_bf8(_mm512_castps512_ps256(acc[h][t])), to_bf8(_mm512_extractf32x8_ps(acc[h][t], 1)));
+                _mm256_mask_storeu_epi16((void *)(ybf + o), m[h], v);
+            } else {
+                _mm512_mask_storeu_ps(Y + o, m[h], acc[h][t]);
+            }
+        }
+}
+
+/* Returns 0, or -1 when out of memory */
+static int bf16_gemm(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf) {
+    const int64_t K = L->k, N = L->n, ntiles = (M + BT - 1) / BT, nblk = (N + NBR - 1) / NBR;
+    uint32_t *xt = malloc(sizeof(uint32_t) * ntiles * BT * (K / 2));
+    if (!xt) return -1;
+    int oom = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            uint32_t *d = xt + tile * BT * (K / 2);
+            for (int t = 0; t < BT; t++) {
+                const int64_t row = tile * BT + t;
+                for (int64_t cb = 0; cb < K / 32; cb++) {
+                    __m512i v = _mm512_setzero_si512(); /* 32 columns = 16 pairs (bf16 in memory order) */
+                    if (row < M && x_bf16) {
+                        v = _mm512_loadu_si512((const void *)((const uint16_t *)X + row * K + 32 * cb));
+                    } else if (row < M) {
+                        const float *xf = (const float *)X + row * K + 32 * cb;
+                        v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + 16), _mm512_loadu_ps(xf));
+                    }
+                    _mm512_storeu_si512((void *)(d + cb * BT * 16 + t * 16), v);
+                }
+            }
+        }
+        uint32_t *wp = aligned_alloc(64, sizeof(uint32_t) * NBR * (K / 2));
+        if (!wp) {
+#pragma omp atomic write
+            oom = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            if (!wp) continue;
+            const int64_t n0 = NBR * blk;
+            __mmask16 m[RV];
+            for (int h = 0; h < RV; h++) {
+                const int64_t l = N - n0 - 16 * h;
+                m[h] = l <= 0 ? 0 : l >= 16 ? 0xffff : (__mmask16)((1u << l) - 1);
+            }
+            dequant_pairs(L, n0, wp);
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t t0 = tile * BT, nt = M - t0 < BT ? M - t0 : BT;
+                bf16_tile(wp, xt + tile * BT * (K / 2), K, N, t0, nt, n0, m, ybf ? NULL : Y, ybf);
+            }
+        }
+        free(wp);
+    }
+    free(xt);
+    return oom ? -1 : 0;
+}
+#endif
+
 /* Y [M, N] = X [M, K] times L (no bias). X is fp32, or bf16 when x_bf16 (converted row by row
  * as it is quantized). The result goes to Y (fp32) or, when ybf is not NULL, to ybf as bf16
  * (round to nearest even, as torch); Y may then be NULL: the int4 GEMM converts each row
@@ -913,6 +1091,9 @@ static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linea
 int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf) {
     const int64_t K = L->k, N = L->n;
     if (L->kind == KIND_BF16 || (!Y && !ybf)) return -2;
+#ifdef SQ_BF16
+    if (L->kind == KIND_INT4 && M >= BF16_GEMM_MIN_M && !g_no_bf16) return bf16_gemm(L, X, x_bf16, M, Y, ybf);
+#endif
     sq_act *a = calloc(M, sizeof(sq_act));
     const int64_t Kp = (K + 127) / 128 * 128; /* quad order pads the codes to 128 columns */
     int8_t *qbuf = malloc(M * Kp);
@@ -1172,6 +1353,18 @@ int sq_simd(void) { /* 3 AVX512-VNNI, 2 AVX2, 0 portable */
 #elif defined(SQ_AVX2)
     return 2;
 #else
+    return 0;
+#endif
+}
+
+/* 1 (default): int4 products of >= 32 tokens dequantize to bf16 where the CPU has AVX512-BF16;
+ * 0: always the W4A8 GEMM. Returns whether this build has the bf16 GEMM. */
+int sq_set_prefill_bf16(int on) {
+#ifdef SQ_BF16
+    g_no_bf16 = !on;
+    return 1;
+#else
+    (void)on;
     return 0;
 #endif
 }
