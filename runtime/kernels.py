@@ -26,8 +26,10 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("kernels") / "sq_decode.c"
 ABI = 4
 # prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
-# ~24 MiB fp32 for 256 tokens, from the buffer sizes) while each chunk reads every weight once
-PREFILL_CHUNK = 256
+# ~48 MiB fp32 for 512 tokens, from the buffer sizes) while each chunk reads every weight once
+# (and, on AVX512-BF16 CPUs, dequantizes it once: 512 against 256 tokens, pp512 at the 1.7B
+# shape 251 vs 239 tok/s, medians of 4 interleaved lite prefills; scratch script, not kept)
+PREFILL_CHUNK = 512
 
 
 class KernelUnavailable(RuntimeError):
@@ -132,6 +134,12 @@ def load(variant: str | None = None) -> ctypes.CDLL:
                             ctypes.c_void_p, ctypes.c_void_p]
     lib.sq_linear_f32.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_void_p, ctypes.c_void_p]
     lib.sq_set_threads.argtypes = [ctypes.c_int]
+    lib.sq_set_static_schedule.argtypes = [ctypes.c_int]
+    lib.sq_set_prefill_bf16.argtypes = [ctypes.c_int]
+    # SPARKQ_SCHED=static: decode products in a static schedule instead of work stealing (a
+    # `sparkq bench` comparison arm); SPARKQ_PREFILL_BF16=0: the W4A8 GEMM for prompts too
+    lib.sq_set_static_schedule(int(os.environ.get("SPARKQ_SCHED", "") == "static"))
+    lib.sq_set_prefill_bf16(int(os.environ.get("SPARKQ_PREFILL_BF16", "1") != "0"))
     lib.sq_dequant_rows.argtypes = [ctypes.POINTER(SqLinear), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.sq_head.argtypes = [ctypes.POINTER(SqModel), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.sq_prefill.argtypes = [ctypes.POINTER(SqModel), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
