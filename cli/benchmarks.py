@@ -186,7 +186,14 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
         L += ["", "### Fidelity (int4 vs bf16 reference, wikitext-2 validation, 2048 tokens)", "",
               "| prefill | top-1 | KL mean | KL p99 | ppl int4 | ppl bf16 | greedy identical | mean first divergence |",
               "|---|---|---|---|---|---|---|---|"]
-        for key, arm in (("example_fidelity", "auto (C prefill, W4A8, the default)"), ("example_fidelity_dequant", "dequant (fp32 activations)")):
+        import torch
+
+        from sparkq.runtime import kernels
+        from sparkq.runtime.weights import prefill_dtype
+        c_bf16 = bool(kernels.load().sq_set_prefill_bf16(1))  # this CPU's C prefill: bf16 GEMM or W4A8
+        auto = "auto (C prefill, bf16 GEMM: W4A16, the default)" if c_bf16 else "auto (C prefill, W4A8, the default)"
+        deq = "dequant (torch, bf16 activations)" if prefill_dtype() == torch.bfloat16 else "dequant (fp32 activations)"
+        for key, arm in (("example_fidelity", auto), ("example_fidelity_dequant", deq)):
             if key in res:
                 tf, g = res[key]["teacher_forced"], res[key]["greedy"]
                 L.append(f"| {arm} | {tf['top1_agreement']:.2%} | {tf['kl_mean']:.4f} | {tf['kl_p99']:.4f} | "
