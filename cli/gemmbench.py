@@ -1,8 +1,10 @@
-"""Prefill products of one int4 rows32 linear: the C core's W4A8 GEMM (``sq_linear_batch``) vs
-dequantize row blocks (``sq_dequant_rows``) + torch's fp32 GEMM, on random codes of given shapes.
+"""Prefill products of one int4 rows32 linear: the C core's GEMMs (``sq_linear_batch``: W4A8, and
+on AVX512-BF16 CPUs the bf16 one it uses from 32 rows) vs dequantize row blocks
+(``sq_dequant_rows``) + torch's GEMM (fp32, or bf16 where the CPU has native bf16: what the
+torch model's dequantizing path does), on random codes of given shapes.
 
 ``python -m sparkq.cli.gemmbench [--rows 512] [--rounds 3] [--reps 7] [--shape K,N,G ...] [--json]``
-Each round times both arms interleaved (median of ``reps`` calls each); the table gives the
+Each round times the arms interleaved (median of ``reps`` calls each); the table gives the
 median over rounds of GOPS (2*M*N*K per second) and of the per-round ratio. A benchmark, run
 by hand (README "Prefill"); not a test.
 """
@@ -33,10 +35,13 @@ def _median_time(f, reps: int) -> float:
 def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> list[dict]:
     import torch
     from sparkq.runtime import kernels as K
+    from sparkq.runtime.weights import prefill_dtype
 
     torch.set_num_threads(threads)
     lib = K.load()
     lib.sq_set_threads(threads)
+    has_bf16 = bool(lib.sq_set_prefill_bf16(1))
+    dt = prefill_dtype()  # what the torch model's dequantizing path multiplies in
     out = []
     for spec in shapes:
         k, n, g = (int(v) for v in spec.split(","))
@@ -46,26 +51,40 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
         L = K.SqLinear(q.data_ptr(), sz.data_ptr(), None, 0, n, k, g)
         x, y = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
         block = max(16, (1 << 20) // k // 16 * 16)  # the runtime's 1M-element scratch
-        w = torch.empty(min(block, n), k)
+        w, xd = torch.empty(min(block, n), k), x.to(dt)
 
         def dequant():
             for r0 in range(0, n, block):
                 r1 = min(n, r0 + block)
                 lib.sq_dequant_rows(ctypes.byref(L), r0, r1, w.data_ptr())
-                torch.matmul(x, w[:r1 - r0].t(), out=y[:, r0:r1])
+                if dt == torch.float32:
+                    torch.matmul(xd, w[:r1 - r0].t(), out=y[:, r0:r1])
+                else:
+                    y[:, r0:r1] = xd @ w[:r1 - r0].to(dt).t()
 
-        def w4a8():
-            lib.sq_linear_batch(ctypes.byref(L), x.data_ptr(), 0, rows, y.data_ptr(), None)
+        def c_gemm(bf16: bool):
+            def f():
+                lib.sq_set_prefill_bf16(int(bf16))
+                lib.sq_linear_batch(ctypes.byref(L), x.data_ptr(), 0, rows, y.data_ptr(), None)
+            return f
 
+        arms = {"dequant": dequant, "w4a8": c_gemm(False)}
+        if has_bf16:
+            arms["bf16"] = c_gemm(True)
         ops = 2 * rows * n * k
-        a, b = [], []
+        ts = {a: [] for a in arms}
         for _ in range(rounds):
-            a.append(_median_time(dequant, reps))
-            b.append(_median_time(w4a8, reps))
-        ratios = [ta / tb for ta, tb in zip(a, b)]
-        out.append({"k": k, "n": n, "group": g, "rows": rows, "dequant_fp32_gops": ops / statistics.median(a) / 1e9,
-                    "w4a8_gops": ops / statistics.median(b) / 1e9, "ratio": statistics.median(ratios),
-                    "ratio_min": min(ratios), "ratio_max": max(ratios)})
+            for a, f in arms.items():
+                ts[a].append(_median_time(f, reps))
+        lib.sq_set_prefill_bf16(1)
+        r = {"k": k, "n": n, "group": g, "rows": rows, "dequant_dtype": str(dt).replace("torch.", "")}
+        for a in arms:
+            r[f"{a}_gops"] = ops / statistics.median(ts[a]) / 1e9
+            if a != "dequant":
+                ratios = [td / ta for td, ta in zip(ts["dequant"], ts[a])]
+                r[f"{a}_ratio"] = statistics.median(ratios)
+                r[f"{a}_ratio_range"] = [min(ratios), max(ratios)]
+        out.append(r)
     return out
 
 
@@ -77,12 +96,21 @@ def main(shape: list[str] = typer.Option(SHAPES, "--shape", help="K,N,GROUP (rep
     if as_json:
         typer.echo(json.dumps(res, indent=1))
         return
-    typer.echo(f"prefill products at {rows} rows, {threads} threads, {rounds} interleaved rounds x {reps} calls\n")
-    typer.echo("| K | N | group | dequant + fp32 GEMM GOPS | W4A8 GEMM GOPS | W4A8 / dequant [min..max] |")
-    typer.echo("|---|---|---|---|---|---|")
+    bf16 = "bf16_gops" in res[0]
+    typer.echo(f"prefill products at {rows} rows, {threads} threads, {rounds} interleaved rounds x {reps} calls; "
+               f"ratios are against dequantize + {res[0]['dequant_dtype']} torch GEMM\n")
+    head = "| K | N | group | dequant + torch GEMM GOPS | W4A8 GEMM GOPS | W4A8 / dequant [min..max] |"
+    if bf16:
+        head += " bf16 GEMM GOPS | bf16 / dequant [min..max] |"
+    typer.echo(head)
+    typer.echo("|---" * (head.count("|") - 1) + "|")
     for r in res:
-        typer.echo(f"| {r['k']} | {r['n']} | {r['group']} | {r['dequant_fp32_gops']:.0f} | {r['w4a8_gops']:.0f} | "
-                   f"{r['ratio']:.2f}x [{r['ratio_min']:.2f}..{r['ratio_max']:.2f}] |")
+        line = (f"| {r['k']} | {r['n']} | {r['group']} | {r['dequant_gops']:.0f} | {r['w4a8_gops']:.0f} | "
+                f"{r['w4a8_ratio']:.2f}x [{r['w4a8_ratio_range'][0]:.2f}..{r['w4a8_ratio_range'][1]:.2f}] |")
+        if bf16:
+            line += (f" {r['bf16_gops']:.0f} | {r['bf16_ratio']:.2f}x "
+                     f"[{r['bf16_ratio_range'][0]:.2f}..{r['bf16_ratio_range'][1]:.2f}] |")
+        typer.echo(line)
 
 
 if __name__ == "__main__":

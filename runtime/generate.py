@@ -37,8 +37,9 @@ class GenStats:
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
     import torch
 
-    if temperature <= 0:
-        return int(torch.argmax(logits))
+    if temperature <= 0:  # numpy: torch's argmax over a vocab runs an OpenMP region, whose threads
+        # then spin beside the C core's (two OpenMP runtimes in one process; see README "Threads")
+        return int(logits.float().numpy().argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sp, si = torch.sort(probs, descending=True)

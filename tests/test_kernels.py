@@ -1,7 +1,9 @@
 """The C decode core (runtime/kernels/sq_decode.c) against references.
 
-Three builds of the same source: ``native`` (-march=native, the AVX2 paths here), ``scalar``
-(portable C) and ``exact`` (portable, fp32 activations: no A8). The W4A8 error budget the
+Four builds of the same source: ``native`` (-march=native: the AVX512-VNNI products and the bf16
+prefill GEMM on an AVX512 machine, the AVX2 ones elsewhere), ``avx2`` (-march=native
+-mno-avx512f: the AVX2 products on either), ``scalar`` (portable C) and ``exact`` (portable,
+fp32 activations: no A8). The W4A8 error budget the
 runtime promises: one product's relative error against fp64 on the same weights below 1%
 (activations int8 per 8 columns; measured 0.57-0.65% with an outlier channel, 0.87-1.2% when
 the scales were per 32 columns), a whole model's held-out KL against fp32 compute on the
@@ -75,13 +77,14 @@ def test_products_match_fp64_within_the_a8_budget(case):
     x = torch.randn(L.k, generator=torch.Generator().manual_seed(9))
     x[3] = 25.0  # an outlier channel, as LLM activations have
     ref = w @ x.double() + (b.double() if b is not None else 0)
-    out = {v: _run(_lib(v), L, x).double() for v in ("native", "scalar", "exact")}
+    out = {v: _run(_lib(v), L, x).double() for v in ("native", "avx2", "scalar", "exact")}
     rel = {v: ((y - ref).norm() / ref.norm()).item() for v, y in out.items()}
     assert rel["exact"] < 1e-5, rel
     budget = 1e-5 if case == "bf16" else 0.01  # bf16 linears multiply fp32 activations
-    assert rel["native"] < budget and rel["scalar"] < budget, rel
+    assert rel["native"] < budget and rel["avx2"] < budget and rel["scalar"] < budget, rel
     # the SIMD and portable builds do the same integer arithmetic: equal up to float summation order
-    assert ((out["native"] - out["scalar"]).norm() / ref.norm()).item() < 1e-5, case
+    for v in ("native", "avx2"):
+        assert ((out[v] - out["scalar"]).norm() / ref.norm()).item() < 1e-5, (case, v)
 
 
 def test_work_stealing_products_equal_the_static_schedule():
@@ -149,9 +152,10 @@ def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case):
 
 @pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8", "int4-g64-chunks",
                                   "int4-g256-chunks"])
-def test_batch_equals_single_products_and_dequant(case):
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+def test_batch_equals_single_products_and_dequant(case, variant):
     L, w, b, keep = CASES[case]()
-    lib = _lib("native")
+    lib = _lib(variant)
     X = torch.randn(13, L.k, generator=torch.Generator().manual_seed(2))  # 13: 4 tiles of 3 tokens + 1
     Y = torch.empty(13, L.n)
     assert lib.sq_linear_batch(ctypes.byref(L), X.data_ptr(), 0, 13, Y.data_ptr(), None) == 0

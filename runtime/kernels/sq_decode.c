@@ -109,9 +109,13 @@ typedef struct {
 #define SQ_MAXT 64
 typedef struct sq_slot { uint64_t v; char pad[56]; } sq_slot;
 
+/* 64-byte aligned (a whole number of cache lines): the AVX512 products load the codes and the
+ * scales 64 bytes at a time, and a load that straddles two lines costs more */
+static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
+
 static int sq_act_alloc(sq_act *a, int64_t maxk) {
-    a->q = malloc((maxk + 127) / 128 * 128);
-    a->s8 = malloc(sizeof(float) * (maxk / 32 + 2) * 4);
+    a->q = alloc64((maxk + 127) / 128 * 128);
+    a->s8 = alloc64(sizeof(float) * (maxk / 32 + 2) * 4);
     a->gsum = malloc(sizeof(float) * (maxk / 32 + 1));
     a->gqsum = malloc(sizeof(float) * (maxk / 32 + 1));
     a->slot = aligned_alloc(64, sizeof(sq_slot) * SQ_MAXT);
@@ -1097,10 +1101,11 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
 #endif
     sq_act *a = calloc(M, sizeof(sq_act));
     const int64_t Kp = (K + 127) / 128 * 128; /* quad order pads the codes to 128 columns */
-    int8_t *qbuf = malloc(M * Kp);
-    float *fbuf = malloc(sizeof(float) * M * (K / 32 + 1) * 6); /* gsum, gqsum, s8 per token */
+    /* per token: gsum, gqsum, s8, each starting on a cache line */
+    const int64_t g16 = (K / 32 + 1 + 15) / 16 * 16, fs = 2 * g16 + ((K / 32 + 2) * 4 + 15) / 16 * 16;
+    int8_t *qbuf = alloc64(M * Kp);
+    float *fbuf = alloc64(sizeof(float) * M * fs);
     if (!a || !qbuf || !fbuf) { free(a); free(qbuf); free(fbuf); return -1; }
-    const int64_t fs = (K / 32 + 1) * 6;
     int oom = 0;
 #pragma omp parallel
     {
@@ -1114,8 +1119,8 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
             float *f = fbuf + t * fs;
             a[t].q = qbuf + t * Kp;
             a[t].gsum = f;
-            a[t].gqsum = f + (K / 32 + 1);
-            a[t].s8 = f + 2 * (K / 32 + 1);
+            a[t].gqsum = f + g16;
+            a[t].s8 = f + 2 * g16;
             const float *x = (const float *)X + t * K;
             if (x_bf16) {
                 if (!row) continue;
