@@ -4,7 +4,7 @@ Runs the product's own commands (listed verbatim in the output) on the bundled e
 (SmolLM2-135M-Instruct) and on a synthetic Qwen3-1.7B shape (random weights, tied), and on the Spark-like hybrid shape (RoPE memory A/B):
 conversion, memory ledger with peak vs settled, fidelity (example only: random weights
 have no meaningful fidelity), and interleaved speed arms: the C core (rows32; prompts through
-sq_prefill, or through the torch model with C products, or dequantize + fp32 GEMM), torch's
+sq_prefill, or through the torch model with C products, or dequantize + torch GEMM), torch's
 int4 kernel, thread/wait-policy arms, the bf16 reference and, when llama-cpp-python is
 installed, llama.cpp Q4_0 (and Q4_K_M) of the same model.
 """
@@ -167,9 +167,9 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                              "medians [min..max]); llama.cpp runs through llama-cpp-python in its own child process. "
                              "control = the default rows32 artifact through the C core (decode steps, and prompts "
                              "through sq_prefill); lite = the same C core in the torch-free runtime (`sparkq generate --lite`, "
-                             "numpy + ctypes, torch never imported); torch-prefill = prompts through the torch model instead (C W4A8 "
+                             "numpy + ctypes, torch never imported); torch-prefill = prompts through the torch model instead (C "
                              "products, bf16 and torch SDPA between them); dequant = the torch model with dequantize + "
-                             "fp32 GEMM products; torch-int4-kernel = the same "
+                             "torch GEMM products (bf16 where the CPU has native bf16, else fp32); torch-int4-kernel = the same "
                              "model packed for torch's `_weight_int4pack_mm_for_cpu`. Decode GB/s = weight bytes read per "
                              "token x tok/s; the ceiling is a streaming read with the same threads, probed once per "
                              "pass between the arms (median). Peak RSS: load = through "
