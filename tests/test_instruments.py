@@ -143,14 +143,17 @@ def test_plot_option(tiny_tied_art, tmp_path):
 
 
 def test_gemmbench_runs(tmp_path):
-    """The prefill-product benchmark (README "Prefill") runs and reports both arms."""
+    """The prefill-product benchmark (README "Prefill") runs and reports every arm: dequantize +
+    torch GEMM, the W4A8 GEMM and, on AVX512-BF16 CPUs, the bf16 GEMM."""
     pytest.importorskip("sparkq.runtime.kernels")
     from sparkq.runtime import kernels
     if kernels._compiler() is None:
         pytest.skip("no C compiler")
     p = run_py("import sys; from sparkq.cli.gemmbench import main; import typer; sys.argv = ['gemmbench', '--shape', "
-               "'128,48,64', '--rows', '9', '--rounds', '1', '--reps', '1', '--json']; typer.run(main)")
+               "'128,48,64', '--rows', '40', '--rounds', '1', '--reps', '1', '--json']; typer.run(main)")
     assert p.returncode == 0, p.stderr
     (r,) = json.loads(p.stdout)
-    assert (r["k"], r["n"], r["group"], r["rows"]) == (128, 48, 64, 9)
-    assert r["dequant_fp32_gops"] > 0 and r["w4a8_gops"] > 0 and r["ratio"] > 0
+    assert (r["k"], r["n"], r["group"], r["rows"]) == (128, 48, 64, 40)
+    assert r["dequant_gops"] > 0 and r["w4a8_gops"] > 0 and r["w4a8_ratio"] > 0
+    assert r["dequant_dtype"] in ("float32", "bfloat16")
+    assert ("bf16_gops" in r) == bool(kernels.load().sq_set_prefill_bf16(1))
