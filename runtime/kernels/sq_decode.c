@@ -1036,10 +1036,14 @@ static void bf16_tile(const uint32_t *wp, const uint32_t *xt, int64_t K, int64_t
         }
 }
 
-/* Returns 0, or -1 when out of memory */
-static int bf16_gemm(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf) {
+/* xtbuf: room for the activation tiles ((M rounded up to BT) x K bf16), or NULL to allocate them
+ * here (sq_prefill passes one buffer for all its products: a fresh multi-MiB allocation per
+ * product is mmapped and page-faulted anew, 6% of a 1.7B prefill in `perf`). Returns 0, or -1
+ * when out of memory. */
+static int bf16_gemm(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf,
+                     uint32_t *xtbuf) {
     const int64_t K = L->k, N = L->n, ntiles = (M + BT - 1) / BT, nblk = (N + NBR - 1) / NBR;
-    uint32_t *xt = malloc(sizeof(uint32_t) * ntiles * BT * (K / 2));
+    uint32_t *xt = xtbuf ? xtbuf : malloc(sizeof(uint32_t) * ntiles * BT * (K / 2));
     if (!xt) return -1;
     int oom = 0;
 #pragma omp parallel
@@ -1083,7 +1087,7 @@ static int bf16_gemm(const sq_linear *L, const void *X, int64_t x_bf16, int64_t 
         }
         free(wp);
     }
-    free(xt);
+    if (!xtbuf) free(xt);
     return oom ? -1 : 0;
 }
 #endif
@@ -1093,11 +1097,14 @@ static int bf16_gemm(const sq_linear *L, const void *X, int64_t x_bf16, int64_t 
  * (round to nearest even, as torch); Y may then be NULL: the int4 GEMM converts each row
  * block from a per-thread scratch, the other paths from an [M, N] fp32 buffer they allocate
  * (a given Y is used as that buffer). Returns 0, or -1 when out of memory. */
-int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf) {
+static int linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf,
+                        void *xtbuf) {
     const int64_t K = L->k, N = L->n;
     if (L->kind == KIND_BF16 || (!Y && !ybf)) return -2;
 #ifdef SQ_BF16
-    if (L->kind == KIND_INT4 && M >= BF16_GEMM_MIN_M && !g_no_bf16) return bf16_gemm(L, X, x_bf16, M, Y, ybf);
+    if (L->kind == KIND_INT4 && M >= BF16_GEMM_MIN_M && !g_no_bf16) return bf16_gemm(L, X, x_bf16, M, Y, ybf, xtbuf);
+#else
+    (void)xtbuf;
 #endif
     sq_act *a = calloc(M, sizeof(sq_act));
     const int64_t Kp = (K + 127) / 128 * 128; /* quad order pads the codes to 128 columns */
@@ -1195,6 +1202,10 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
     }
     free(own); free(a); free(qbuf); free(fbuf);
     return oom ? -1 : 0;
+}
+
+int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M, float *Y, uint16_t *ybf) {
+    return linear_batch(L, X, x_bf16, M, Y, ybf, NULL);
 }
 
 /* W rows [r0, r1) of an int4 rows32 linear, dequantized to fp32 [r1 - r0, K] (prefill: the
@@ -1720,7 +1731,7 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
 }
 
 /* Y [M, N] = X [M, K] L^T (+ bias), fp32 in and out */
-static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y) {
+static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y, void *xtbuf) {
     const int64_t K = L->k, N = L->n;
 #ifdef SQ_EXACT
     const int exact = 1;
@@ -1735,7 +1746,7 @@ static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y) 
 #endif
             rows_bf16(L, X + t * K, Y + t * N, 0, N);
         }
-    } else if (sq_linear_batch(L, X, 0, M, Y, NULL)) {
+    } else if (linear_batch(L, X, 0, M, Y, NULL, xtbuf)) {
         return -1;
     }
     if (L->bias)
@@ -1763,7 +1774,13 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
     float *big = malloc(sizeof(float) * chunk * wide), *att = malloc(sizeof(float) * chunk * qd);
     float *scr = malloc(sizeof(float) * nthr * PQB * m->cap);
     float *kf = malloc(sizeof(float) * (pos0 + T) * D); /* one KV head's keys in fp32 (attention_many) */
+    void *xt = NULL; /* the bf16 GEMM's activation tiles, shared by every product */
+#ifdef SQ_BF16
+    xt = alloc64(sizeof(uint16_t) * ((chunk + BT - 1) / BT * BT) * maxk);
+    int rc = (x && xn && big && att && scr && kf && xt) ? 0 : -1;
+#else
     int rc = (x && xn && big && att && scr && kf) ? 0 : -1;
+#endif
     for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
         const int64_t n = c0 + chunk < T ? chunk : T - c0, p0 = pos0 + c0;
 #pragma omp parallel for schedule(static)
@@ -1776,20 +1793,20 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             const sq_layer *L = &m->layer[li];
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
-            if ((rc = linear_many(&L->qkv, xn, n, big))) break;
+            if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
             attention_many(m, L, big, nqkv, p0, n, att, scr, kf);
-            if ((rc = linear_many(&L->o, att, n, xn))) break;
+            if ((rc = linear_many(&L->o, att, n, xn, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) {
                 add_residual(m, L->post_attn_norm, xn + t * E, x + t * E);
                 rms_norm(x + t * E, L->mlp_norm, E, m->eps, off, xn + t * E);
             }
-            if ((rc = linear_many(&L->gate_up, xn, n, big))) break;
+            if ((rc = linear_many(&L->gate_up, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) silu_mul(big + t * 2 * I, I, (int)m->act, xn + t * I);
-            if ((rc = linear_many(&L->down, xn, n, big))) break;
+            if ((rc = linear_many(&L->down, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) add_residual(m, L->post_mlp_norm, big + t * E, x + t * E);
         }
@@ -1801,6 +1818,6 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             rms_norm(x + (n - 1) * E, m->final_norm, E, m->eps, off, out);
         }
     }
-    free(x); free(xn); free(big); free(att); free(scr); free(kf);
+    free(x); free(xn); free(big); free(att); free(scr); free(kf); free(xt);
     return rc;
 }
