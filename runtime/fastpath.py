@@ -63,7 +63,7 @@ def prefill_supported(model, lib) -> str | None:
             if lin.prefill_dequant is not None:
                 return "--prefill kernel/dequant picks the torch prefill"
             if lib.sq_simd() >= 2 and (lin.k % 64 or lin.g % 64):
-                return f"{name}: K={lin.k}, g={lin.g} are not multiples of 64 (the AVX2 GEMM pairs 64 columns)"
+                return f"{name}: K={lin.k}, g={lin.g} are not multiples of 64 (the SIMD GEMMs pair 64 columns)"
     return None
 
 

@@ -11,7 +11,8 @@
  *
  * Products are W4A8: the activation vector is quantized to int8 with one scale per 8 columns
  * (scale = max|x| / 127, round to nearest; see quantize_act), the code x activation dot
- * products are exact integers (AVX2 maddubs: unsigned codes x signed activations), and
+ * products are exact integers (AVX2 maddubs / AVX512-VNNI vpdpbusd: unsigned codes x signed
+ * activations), and
  *   y[n] = sum_g s[g,n] * (sum_{b in g} xs[b] * (dot(q_b, xq_b) - 8 sum(xq_b))) + z[g,n] * sum_{k in g} x[k]
  * (b: the 8-column sub-blocks)
  * The -8 offset must use the quantized sums (it belongs to the codes: using exact sums there
@@ -22,7 +23,11 @@
  * attention, activations, residual) is fp32; the KV cache is bf16 and shared with the
  * torch model's prefill when that one is used (c_prefill=False, --prefill kernel|dequant).
  *
- * SQ_SCALAR forces the portable C path (tests build both and compare).
+ * Prompts of >= 32 tokens on CPUs with AVX512-BF16 take a W4A16 GEMM instead (bf16_gemm: row
+ * blocks dequantized to bf16, vdpbf16ps), the other prompts the W4A8 GEMM (sq_linear_batch).
+ *
+ * SQ_SCALAR forces the portable C path (tests build both and compare); -mno-avx512f on an
+ * AVX512 machine gives the AVX2 paths (the "avx2" build).
  */
 #include <math.h>
 #include <stdint.h>
