@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,6 +209,27 @@ class Artifact:
         return linears
 
     # ---------------------------------------------------------------- data access
+    @staticmethod
+    def _advise_hugepages(addr: int, length: int) -> None:
+        """madvise(MADV_HUGEPAGE) on the weights mapping (Linux; best effort, errors ignored):
+        where the file enters the page cache through this mapping (not cached yet: after a
+        reboot or an eviction), the kernel reads it in 2 MiB folios and maps them with PMD
+        entries (seen here: ext4, Linux 6.18, FilePmdMapped = the whole file), so streaming the
+        weights takes ~500x fewer TLB misses. Decode at the Qwen3-1.7B shape, the same artifact
+        with its page cache in 2 MiB vs 4 KiB folios, 5 interleaved passes: +2.6% to +7% in every
+        pass (README "AVX512 CPUs"). A file already cached in small folios (just written by
+        spark-convert or a download) keeps them. SPARKQ_THP=0 skips the advice."""
+        if os.environ.get("SPARKQ_THP", "1") == "0" or not sys.platform.startswith("linux") or length <= 0:
+            return
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise(addr, length, 14)  # MADV_HUGEPAGE
+        except (OSError, AttributeError):
+            pass
+
     def map(self) -> dict[str, torch.Tensor]:
         """Every tensor as a view into one private mmap of the weights file."""
         import torch
@@ -216,6 +238,7 @@ class Artifact:
         size = os.path.getsize(self.weights_path)
         storage = torch.UntypedStorage.from_file(str(self.weights_path), shared=False, nbytes=size)
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self._advise_hugepages(flat.data_ptr(), size)
         out = {}
         for name, t in self.infos.items():
             if name.startswith(C.PAD_PREFIX):
@@ -229,6 +252,7 @@ class Artifact:
         """Every tensor as a read-only numpy view into one mmap of the weights file (no torch;
         bf16 tensors as their uint16 bit patterns)."""
         flat = np.memmap(self.weights_path, dtype=np.uint8, mode="r")
+        self._advise_hugepages(flat.ctypes.data, flat.nbytes)
         out = {}
         for name, t in self.infos.items():
             if name.startswith(C.PAD_PREFIX):

@@ -1,5 +1,6 @@
 """The torch-free runtime (runtime/lite.py) against the torch runtime on the same artifact."""
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -66,6 +67,33 @@ def test_lite_matches_the_torch_runtime(arch, tmp_path):
         cos, sin = lm.ropes[rope.key]
         assert np.array_equal(cos, rope.cos.view(torch.int16).numpy().view(np.uint16))
         assert np.array_equal(sin, rope.sin.view(torch.int16).numpy().view(np.uint16))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise/smaps are Linux")
+def test_both_runtimes_advise_huge_pages_on_the_weights_mapping(tiny_tied_art):
+    """The weights mapping carries MADV_HUGEPAGE (smaps VmFlags "hg"), so a file read in through
+    it lands in 2 MiB folios; SPARKQ_THP=0 leaves it out."""
+    code = """
+import os
+from sparkq.formats import constants as C
+from sparkq.runtime.{mod} import load
+m = load({art!r})
+wpath = os.path.realpath(os.path.join({art!r}, C.WEIGHTS_FILE))
+flags, cur = [], False
+for line in open('/proc/self/smaps'):
+    parts = line.split()
+    if '-' in parts[0] and len(parts[0].split('-')) == 2 and all(c in '0123456789abcdef-' for c in parts[0]):
+        cur = len(parts) >= 6 and parts[5] == wpath
+    elif cur and line.startswith('VmFlags:'):
+        flags.append('hg' in parts[1:])
+print(flags)
+"""
+    for mod in ("lite", "api"):
+        for env, want in (({}, True), ({"SPARKQ_THP": "0"}, False)):
+            p = run_py(code.format(mod=mod, art=str(tiny_tied_art)), env=env)
+            assert p.returncode == 0, p.stderr[-2000:]
+            flags = eval(p.stdout.strip().splitlines()[-1])
+            assert flags and all(f == want for f in flags), (mod, env, flags)
 
 
 def test_lite_errors_and_cli(tiny_tied_art, tmp_path):
