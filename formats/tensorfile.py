@@ -68,14 +68,24 @@ def encode_header(header: dict) -> bytes:
 
 
 class TensorFileWriter:
-    """Writes tensors sequentially, in planned order, hashing each one (sha256)."""
+    """Writes tensors sequentially, in planned order, hashing each one (sha256).
+
+    The bytes reach the file in whole, aligned STAGE-byte writes (the last one excepted): Linux
+    (ext4, 6.18 here) then caches the file in 2 MiB folios, which the runtime's
+    MADV_HUGEPAGE mapping maps with PMD entries (README "Huge pages for the weights"); the
+    same bytes written in unaligned pieces of tensor size were cached in small folios. One
+    staging buffer of STAGE bytes is the only extra memory."""
+
+    STAGE = 4 << 20
 
     def __init__(self, path: str, entries, metadata: dict[str, str]):
         self.header, self.data_size = plan_layout(entries, metadata)
         self.order = [e[0] for e in entries]
         self.head = encode_header(self.header)
-        self.f = open(path, "wb")
-        self.f.write(self.head)
+        self.f = open(path, "wb", buffering=0)
+        self.stage = bytearray()
+        self.fpos = 0  # bytes handed to the file
+        self._out(self.head)
         self.pos = 0  # within data section
         self.next = 0
         self.digests: dict[str, str] = {}
@@ -88,7 +98,7 @@ class TensorFileWriter:
             raise RuntimeError(f"tensor {name} written out of planned order")
         s, e = self.header[name]["data_offsets"]
         if s > self.pos:
-            self.f.write(b"\0" * (s - self.pos))
+            self._out(b"\0" * (s - self.pos))
             self.pos = s
         self._cur = (name, e, hashlib.sha256())
 
@@ -98,8 +108,30 @@ class TensorFileWriter:
         if self.pos + mv.nbytes > end:
             raise RuntimeError(f"tensor {name}: more bytes than its shape holds")
         h.update(mv)
-        self.f.write(mv)
+        self._out(mv)
         self.pos += mv.nbytes
+
+    def _out(self, mv) -> None:
+        """Stage bytes; write every whole STAGE-aligned piece."""
+        mv = memoryview(mv).cast("B")
+        while mv.nbytes:
+            room = self.STAGE - (self.fpos + len(self.stage)) % self.STAGE
+            take = min(room, mv.nbytes)
+            if not self.stage and take == self.STAGE:  # aligned and whole: no copy
+                self._write_all(mv[:take])
+                self.fpos += take
+            else:
+                self.stage += mv[:take]
+                if take == room:
+                    self._write_all(memoryview(self.stage))
+                    self.fpos += len(self.stage)
+                    self.stage = bytearray()
+            mv = mv[take:]
+
+    def _write_all(self, mv) -> None:
+        while mv.nbytes:
+            n = self.f.write(mv)
+            mv = mv[n:]
 
     def end(self) -> str:
         name, end, h = self._cur
@@ -118,7 +150,10 @@ class TensorFileWriter:
     def close(self) -> None:
         if self.next != len(self.order):
             raise RuntimeError(f"{len(self.order) - self.next} planned tensors were not written")
-        self.f.flush()
+        if self.stage:
+            self._write_all(memoryview(self.stage))
+            self.fpos += len(self.stage)
+            self.stage = bytearray()
         os.fsync(self.f.fileno())
         self.f.close()
 
