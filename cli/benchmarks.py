@@ -190,7 +190,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
 
         from sparkq.runtime import kernels
         from sparkq.runtime.weights import prefill_dtype
-        c_bf16 = bool(kernels.load().sq_set_prefill_bf16(1))  # this CPU's C prefill: bf16 GEMM or W4A8
+        c_bf16 = bool(kernels.load().sq_prefill_bf16())  # this CPU's C prefill: bf16 GEMM or W4A8
         auto = "auto (C prefill, bf16 GEMM: W4A16, the default)" if c_bf16 else "auto (C prefill, W4A8, the default)"
         deq = "dequant (torch, bf16 activations)" if prefill_dtype() == torch.bfloat16 else "dequant (fp32 activations)"
         for key, arm in (("example_fidelity", auto), ("example_fidelity_dequant", deq)):

@@ -40,7 +40,7 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
     torch.set_num_threads(threads)
     lib = K.load()
     lib.sq_set_threads(threads)
-    has_bf16 = bool(lib.sq_set_prefill_bf16(1))
+    has_bf16 = bool(lib.sq_set_prefill_bf16(1))  # (re)enables it; the arms below switch it
     dt = prefill_dtype()  # what the torch model's dequantizing path multiplies in
     out = []
     for spec in shapes:

@@ -156,4 +156,4 @@ def test_gemmbench_runs(tmp_path):
     assert (r["k"], r["n"], r["group"], r["rows"]) == (128, 48, 64, 40)
     assert r["dequant_gops"] > 0 and r["w4a8_gops"] > 0 and r["w4a8_ratio"] > 0
     assert r["dequant_dtype"] in ("float32", "bfloat16")
-    assert ("bf16_gops" in r) == bool(kernels.load().sq_set_prefill_bf16(1))
+    assert ("bf16_gops" in r) == bool(kernels.load().sq_prefill_bf16())

@@ -56,6 +56,7 @@ CASES = {  # name -> builder; shapes cover the 4-row blocks, their remainders an
     "int4-g128-blocks": lambda: _int4(1041, 256, 128),  # prefill GEMM: 2 row blocks, odd tail row
     "int4-g64-chunks": lambda: _int4(32, 4416, 64),  # 34.5 VNNI steps: two column chunks, a half step
     "int4-g256-chunks": lambda: _int4(48, 8448, 256),  # 66 VNNI steps, two per group, three chunks
+    "int4-g64-many-groups": lambda: _int4(32, 16448, 64),  # 257 groups: the AVX2 products on AVX512 too
     "int8": lambda: _int8(83, 160),                  # 83 rows: one-row tail
     "bf16": lambda: _bf16(37, 72),                   # K not a multiple of 8: scalar tail
 }
@@ -151,7 +152,7 @@ def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case):
 
 
 @pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8", "int4-g64-chunks",
-                                  "int4-g256-chunks"])
+                                  "int4-g256-chunks", "int4-g64-many-groups"])
 @pytest.mark.parametrize("variant", ["native", "avx2"])
 def test_batch_equals_single_products_and_dequant(case, variant):
     L, w, b, keep = CASES[case]()

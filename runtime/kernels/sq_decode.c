@@ -48,6 +48,7 @@
 #endif
 
 #define SQ_ABI 4
+#define QUAD_MAX_GROUPS 256 /* more weight groups per row: the AVX2 (paired) products instead */
 
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2 };
 
@@ -151,8 +152,8 @@ static void sq_act_free(sq_act *a) {
 static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
     const int64_t k = L->k, G = L->kind == KIND_INT4 ? L->g : 32;
     a->x = x;
-#if defined(SQ_AVX512)
-    a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0 ? 2 : 0;
+#if defined(SQ_AVX512) /* quad where a 16-row chunk's scales fit rows_int4_avx512's buffer */
+    a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0 ? (k / G <= QUAD_MAX_GROUPS ? 2 : 1) : 0;
 #elif defined(SQ_AVX2)
     a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0;
 #else
@@ -236,6 +237,12 @@ static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
 
 /* int4 x paired int8 activations, one row. The bytes `ahead` rows further on are prefetched
  * as they are read: a software stream beside the hardware one. */
+/* rows ahead of the current one whose bytes the row loops prefetch: `bytes` worth, at least 2 */
+static inline int64_t rows_ahead(int64_t rowbytes, int64_t bytes) {
+    const int64_t r = (bytes + rowbytes - 1) / rowbytes;
+    return r > 2 ? r : 2;
+}
+
 static inline void int4_row(const sq_linear *L, const sq_act *a, float *y, int64_t n, int64_t ahead) {
     const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G, rb = K / 2;
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -272,7 +279,7 @@ static inline void int4_row(const sq_linear *L, const sq_act *a, float *y, int64
  * scale prefetch; example 88-105 -> 97-105 (2 rows ahead) / 100-111 (4 rows = 1152 bytes). */
 static void rows_int4_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2;
-    const int64_t ahead = (1024 + rb - 1) / rb > 2 ? (1024 + rb - 1) / rb : 2;
+    const int64_t ahead = rows_ahead(rb, 1024);
     for (int64_t gi = 0; gi < ng && r0 + 32 < N; gi++)
         _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 32)), _MM_HINT_T0);
     for (int64_t n = r0; n < r1; n++) int4_row(L, a, y, n, ahead);
@@ -288,70 +295,65 @@ static inline __m512 step_scales(const float *s, int gsh, int64_t p) {
 
 static inline int group_shift(int64_t G) { return G == 64 ? -1 : __builtin_ctzll((uint64_t)G) - 7; }
 
-/* int4 x quad int8 activations, one row (VNNI): per 128 columns one 64-byte weight load, two
- * masks, two vpdpbusd, a convert and two FMAs (activation scales, weight scales). A last
- * half step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
+/* One quad step p (128 columns) of one row w: the 16 lanes' integer dot products (each over
+ * the 8 columns of one activation scale), as fp32; the bytes `ahead` of them prefetched. */
+static inline __attribute__((always_inline)) __m512 quad_dot(const uint8_t *w, const uint8_t *ahead, __m512i xl,
+                                                             __m512i xh, int64_t p) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), wv = _mm512_loadu_si512((const void *)(w + 64 * p));
+    _mm_prefetch((const char *)(ahead + 64 * p), _MM_HINT_T0);
+    const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
+}
+
+/* The half step after the last whole quad (K % 128 == 64, then g = 64: one group): row w's
+ * codes of blocks 4p, 4p + 1 against their quad-order activations through 256-bit VNNI, times
+ * the activation scales, summed (the weight scale is the caller's). */
+static inline float half_step(const uint8_t *w, const int8_t *xq, const float *s8, int64_t p) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
+    const __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+    __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq + 128 * p)));
+    d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(xq + 128 * p + 64)));
+    return hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p)));
+}
+
 /* R rows n.. of int4 x quad int8 activations (VNNI). sc: the rows' fp32 weight scales
  * [R][K/g]; zt: their zero and -8 terms. Per 128 columns one 64-byte weight load per row, two
- * masks, two vpdpbusd, a convert and two FMAs (activation scales, weight scales); a last half
- * step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
+ * masks, two vpdpbusd, a convert and two FMAs (activation scales, weight scales; g >= 256:
+ * the weight scale once per group, through a group accumulator); a last half step
+ * (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
 static inline __attribute__((always_inline)) void int4_rows512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
                                                                const float *sc, const float *zt, int64_t ahead, const int R) {
     const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
     const uint8_t *w = L->q + n * rb;
-    __m512 acc[2], gacc[2];
+    __m512 acc[2];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t spg = G == 64 ? 1 : G / 128;
-    if (G <= 128) /* one step per scale vector: no group accumulator */
+    if (G <= 128) { /* one step per scale vector: no group accumulator */
+        const int gsh = group_shift(G);
         for (int64_t p = 0; p < nq; p++) {
             const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
             const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
             const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-            for (int r = 0; r < R; r++) {
-                const __m512i wv = _mm512_loadu_si512((const void *)(w + r * rb + 64 * p));
-                _mm_prefetch((const char *)(w + (ahead + r) * rb + 64 * p), _MM_HINT_T0);
-                const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl);
-                d = _mm512_dpbusd_epi32(d, hi, xh);
-                const __m512 sv = G == 64 ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[r * ng + 2 * p]), _mm512_set1_ps(sc[r * ng + 2 * p + 1]))
-                                          : _mm512_set1_ps(sc[r * ng + p]);
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xs), sv, acc[r]);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(w + r * rb, w + (ahead + r) * rb, xl, xh, p), xs),
+                                         step_scales(sc + r * ng, gsh, p), acc[r]);
+        }
+    } else {
+        const int64_t spg = G / 128;
+        for (int64_t gi = 0; gi < ng; gi++) {
+            __m512 gacc[2];
+            for (int r = 0; r < R; r++) gacc[r] = _mm512_setzero_ps();
+            for (int64_t p = gi * spg; p < (gi + 1) * spg; p++) {
+                const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
+                const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
+                const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
+                for (int r = 0; r < R; r++)
+                    gacc[r] = _mm512_fmadd_ps(quad_dot(w + r * rb, w + (ahead + r) * rb, xl, xh, p), xs, gacc[r]);
             }
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(sc[r * ng + gi]), acc[r]);
         }
-    else
-    for (int64_t gi = 0, p = 0; p < nq; gi++) { /* gi: the (first) group of step p */
-        for (int r = 0; r < R; r++) gacc[r] = _mm512_setzero_ps();
-        for (int64_t pe = p + spg; p < pe; p++) {
-            const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
-            const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
-            const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-            for (int r = 0; r < R; r++) {
-                const __m512i wv = _mm512_loadu_si512((const void *)(w + r * rb + 64 * p));
-                _mm_prefetch((const char *)(w + (ahead + r) * rb + 64 * p), _MM_HINT_T0);
-                const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl);
-                d = _mm512_dpbusd_epi32(d, hi, xh);
-                gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, gacc[r]);
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            const __m512 sv = G == 64 ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[r * ng + gi]), _mm512_set1_ps(sc[r * ng + gi + 1]))
-                                      : _mm512_set1_ps(sc[r * ng + gi]);
-            acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
-        }
-        if (G == 64) gi++;
     }
     for (int r = 0; r < R; r++) {
-        float t = 0.f;
-        if (K % 128) { /* the last 64 columns (one group) through 256-bit VNNI */
-            const int64_t p = nq;
-            const __m256i m4h = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + r * rb + 64 * p));
-            const __m256i lo = _mm256_and_si256(wv, m4h), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4h);
-            __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(a->q + 128 * p)));
-            d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(a->q + 128 * p + 64)));
-            t = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(a->s8 + 16 * p))) * sc[r * ng + ng - 1];
-        }
+        const float t = K % 128 ? half_step(w + r * rb, a->q, a->s8, nq) * sc[r * ng + ng - 1] : 0.f;
         y[n + r] = _mm512_reduce_add_ps(acc[r]) + t + zt[r];
     }
 }
@@ -365,9 +367,8 @@ static void rows_int4_avx512(const sq_linear *L, const sq_act *a, float *y, int6
         return;
     }
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, nr = r1 - r0;
-    const int64_t ahead = (8192 + rb - 1) / rb > 2 ? (8192 + rb - 1) / rb : 2;
-    float sc[16 * 256], zt[16];
-    if (ng > 256) { rows_int4_avx2(L, a, y, r0, r1); return; } /* not reached: quad order is for K <= 32768 */
+    const int64_t ahead = rows_ahead(rb, 8192);
+    float sc[16 * QUAD_MAX_GROUPS], zt[16];
     for (int64_t i = 0; i < nr; i++) zt[i] = 0.f;
     for (int64_t gi = 0; gi < ng; gi++) {
         const uint16_t *p = L->sz + 2 * (gi * N + r0);
@@ -449,7 +450,7 @@ static inline __attribute__((always_inline)) void int8_rows512(const sq_linear *
 }
 
 static void rows_int8_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
-    const int64_t ahead = (8192 + L->k - 1) / L->k > 2 ? (8192 + L->k - 1) / L->k : 2;
+    const int64_t ahead = rows_ahead(L->k, 8192);
     int64_t n = r0;
     for (; n + 2 <= r1; n += 2) int8_rows512(L, a, y, n, ahead, 2);
     for (; n < r1; n++) int8_rows512(L, a, y, n, ahead, 1);
@@ -789,20 +790,10 @@ static inline __attribute__((always_inline)) void int4_tile512(const sq_linear *
     float tl[PR][PT];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) tl[r][t] = 0.f;
-    if (tail) { /* K % 128 == 64: the last 64 columns, one group (g = 64) */
-        const int64_t p = q1;
-        const __m256i m4h = _mm256_set1_epi8(0x0f);
-        for (int r = 0; r < R; r++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(L->q + (n + r) * rb + 64 * p));
-            const __m256i lo = _mm256_and_si256(wv, m4h), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4h);
-            const float sc = sw[r * ng + ng - 1];
-            for (int t = 0; t < T; t++) {
-                __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq[t] + 128 * p)));
-                d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(xq[t] + 128 * p + 64)));
-                tl[r][t] = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xs8[t] + 16 * p))) * sc;
-            }
-        }
-    }
+    if (tail) /* K % 128 == 64: the last 64 columns, one group (g = 64) */
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++)
+                tl[r][t] = half_step(L->q + (n + r) * rb, xq[t], xs8[t], q1) * sw[r * ng + ng - 1];
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) {
             float *o = Y + (t0 + t) * ldy + col + r;
@@ -925,12 +916,12 @@ static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linea
  * of K/2 x NBR dwords -- dword (c, r) holds the bf16 pair (w[r][2c], w[r][2c+1]), 16 rows per
  * cache line -- and every tile of BT tokens multiplies it with vdpbf16ps: per column pair, RV
  * weight loads and, per token, a dword broadcast of its two bf16 activations and RV vdpbf16ps
- * (fp32 accumulators, one lane per row, RV x BT in registers). The activations are
- * rounded to bf16 (vcvtne2ps2bf16: nearest even) once per call into tiles of [K/32][BT][16] pairs. No int8 activations: the prefill
- * then carries no A8 error (its products differ from the decode step's W4A8 ones within that
- * budget). The scratch is transient, per call, per thread (K * 2 * NBR bytes); nothing is kept.
- * Measured on the AVX512-BF16 box (Zen 5, 2 threads, 512 rows, `python -m sparkq.cli.gemmbench`):
- * see README "Prefill". */
+ * (fp32 accumulators, one lane per row, RV x BT in registers). The activations are rounded
+ * to bf16 (vcvtne2ps2bf16: nearest even) once per call into tiles of [K/32][BT][16] pairs. No
+ * int8 activations: the prefill then carries no A8 error (its products differ from the decode
+ * step's W4A8 ones within that budget). The scratch is transient, per call, per thread
+ * (K * 2 * NBR bytes); nothing is kept. Measured on the AVX512-BF16 box (Zen 5, 2 threads,
+ * `python -m sparkq.cli.gemmbench`): README "AVX512 CPUs". */
 #ifndef BT
 #define BT 8  /* tokens per tile */
 #endif
@@ -941,22 +932,17 @@ static inline __attribute__((always_inline)) void int8_row_tokens(const sq_linea
 #define BF16_GEMM_MIN_M 32 /* fewer tokens: the W4A8 GEMM (no dequantization to amortize) */
 static int g_no_bf16 = 0;  /* sq_set_prefill_bf16(0): the W4A8 GEMM for every M (tests, comparisons) */
 
-/* RNE bf16 of a (low half) and b (high half) of each lane; no NaN handling (finite weights
- * and activations) */
-static inline __m512i bf16_pairs(__m512 a, __m512 b) {
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-    const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
-    const __m512i ra = _mm512_add_epi32(ua, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ua, 16), one)));
-    const __m512i rb = _mm512_add_epi32(ub, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ub, 16), one)));
-    return _mm512_or_si512(_mm512_srli_epi32(ra, 16), _mm512_and_si512(rb, _mm512_set1_epi32((int)0xffff0000)));
-}
-
 /* bf16 pairs (a in the low half, b in the high half of each lane), RNE by vcvtne2ps2bf16 */
-static inline __m512i bf16_pairs_hw(__m512 a, __m512 b) {
+static inline __m512i bf16_pairs(__m512 a, __m512 b) {
     static const uint16_t ilv16[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i ilv = _mm512_loadu_si512((const void *)ilv16);
     return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(b, a)); /* [a0..a15 | b0..b15] -> a0 b0 a1 b1 .. */
+}
+
+/* the lanes of a 16-row vector that hold rows, `left` = rows from its first one to N */
+static inline __mmask16 rows_mask(int64_t left) {
+    return left <= 0 ? 0 : left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
 }
 
 /* rows [n0, n0 + NBR) of L (rows >= N as zeros) -> wp [K/2][NBR] bf16 pairs */
@@ -973,8 +959,8 @@ static void dequant_pairs(const sq_linear *L, int64_t n0, uint32_t *wp) {
     const __m512i rowoff = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32((int)rb));
     for (int h = 0; h < RV; h++) {
-        const int64_t r0 = n0 + 16 * h, left = N - r0;
-        const __mmask16 valid = left <= 0 ? 0 : left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        const int64_t r0 = n0 + 16 * h;
+        const __mmask16 valid = rows_mask(N - r0);
         if (!valid) {
             for (int64_t c = 0; c < K / 2; c++) _mm512_storeu_si512((void *)(wp + c * NBR + 16 * h), _mm512_setzero_si512());
             continue;
@@ -1000,10 +986,10 @@ static void dequant_pairs(const sq_linear *L, int64_t n0, uint32_t *wp) {
                         f[4 + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(hi, pick[i])), sv, cv);
                     }
                     uint32_t *d0 = wp + (16 * b + j / 2) * NBR + 16 * h, *d1 = wp + (16 * b + 8 + j / 2) * NBR + 16 * h;
-                    _mm512_storeu_si512((void *)d0, bf16_pairs_hw(f[0], f[1]));
-                    _mm512_storeu_si512((void *)(d0 + NBR), bf16_pairs_hw(f[2], f[3]));
-                    _mm512_storeu_si512((void *)d1, bf16_pairs_hw(f[4], f[5]));
-                    _mm512_storeu_si512((void *)(d1 + NBR), bf16_pairs_hw(f[6], f[7]));
+                    _mm512_storeu_si512((void *)d0, bf16_pairs(f[0], f[1]));
+                    _mm512_storeu_si512((void *)(d0 + NBR), bf16_pairs(f[2], f[3]));
+                    _mm512_storeu_si512((void *)d1, bf16_pairs(f[4], f[5]));
+                    _mm512_storeu_si512((void *)(d1 + NBR), bf16_pairs(f[6], f[7]));
                 }
         }
     }
@@ -1080,10 +1066,7 @@ static int bf16_gemm(const sq_linear *L, const void *X, int64_t x_bf16, int64_t 
             if (!wp) continue;
             const int64_t n0 = NBR * blk;
             __mmask16 m[RV];
-            for (int h = 0; h < RV; h++) {
-                const int64_t l = N - n0 - 16 * h;
-                m[h] = l <= 0 ? 0 : l >= 16 ? 0xffff : (__mmask16)((1u << l) - 1);
-            }
+            for (int h = 0; h < RV; h++) m[h] = rows_mask(N - n0 - 16 * h);
             dequant_pairs(L, n0, wp);
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t t0 = tile * BT, nt = M - t0 < BT ? M - t0 : BT;
@@ -1390,6 +1373,15 @@ int sq_set_prefill_bf16(int on) {
     return 1;
 #else
     (void)on;
+    return 0;
+#endif
+}
+
+/* Whether int4 products of >= 32 tokens take the bf16 GEMM (built for this CPU and not off) */
+int sq_prefill_bf16(void) {
+#ifdef SQ_BF16
+    return !g_no_bf16;
+#else
     return 0;
 #endif
 }
