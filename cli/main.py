@@ -99,7 +99,7 @@ def convert(
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration text file for gptq (its second half is used; "
                                         "default: the bundled text, convert/data/calibration.txt)"),
     calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (windows of 512)"),
-    head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | int8 | bf16 (default: recipe)"),
+    head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | int8 | bf16 | split (int4 + 4-bit residual: the decode step reads half an int8 head; default: recipe)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),

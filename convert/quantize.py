@@ -99,6 +99,24 @@ def quantize_rows(w: torch.Tensor, group_size: int, method: str = "minmax", fast
     return q.to(torch.uint8).reshape(r, k), sz, err, ref
 
 
+def quantize_residual(w: torch.Tensor, deq: torch.Tensor, group_size: int):
+    """The second plane of a split int4 linear (formats/constants.py): 4-bit codes of what the
+    first plane missed, ``w ~= deq + (r - 8) * rscale``, with ``rscale = max|w - deq| / 7`` per
+    group (bf16), rounded to nearest (the residual of a round-to-nearest plane is within half a
+    step, GPTQ's can be larger: the per-group scale follows it). w, deq: float32 [R, K].
+    Returns (codes uint8 [R, K] in 0..15, rscale bf16 [R, K/g], squared error sum, squared weight sum)."""
+    r, k = w.shape
+    g = group_size
+    res = (w.float() - deq).reshape(r, k // g, g)
+    rs = (res.abs().amax(-1) / 7.0).to(torch.bfloat16)
+    rsf = rs.float()
+    safe = torch.where(rsf > 0, rsf, torch.ones_like(rsf))
+    q = torch.round(res / safe[..., None]).clamp_(-8, 7)
+    err = float(((res - q * rsf[..., None]) ** 2).sum(dtype=torch.float64))
+    ref = float((w.to(torch.float64) ** 2).sum())
+    return (q + 8).to(torch.uint8).reshape(r, k), rs, err, ref
+
+
 def quantize_int8_rows(w: torch.Tensor):
     """Per-row symmetric int8: w ~= q * scale[row], q in -127..127, bf16 scales.
     Returns (q int8 [R, K], scales bf16 [R], squared error sum, squared weight sum)."""

@@ -65,6 +65,7 @@ class LinearEntry:
     group_size: int | None
     sources: list
     rel_error: float | None
+    residual: bool = False  # a split int4 linear's second plane (constants.py)
 
     @property
     def role(self) -> str:
@@ -103,8 +104,9 @@ def _check_manifest_types(path: Path, m: dict) -> None:
         if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_INT8, C.KIND_BF16) \
                 or type(e.get("n")) is not int or type(e.get("k")) is not int \
                 or not (e.get("group_size") is None or type(e.get("group_size")) is int) \
-                or not isinstance(e.get("sources", []), list):
-            bad(f"linears.{name}", "{kind: int4|bf16, n: int, k: int, group_size: int|null, sources: list}")
+                or not isinstance(e.get("sources", []), list) or type(e.get("residual", False)) is not bool:
+            bad(f"linears.{name}", "{kind: int4|int8|bf16, n: int, k: int, group_size: int|null, sources: list, "
+                                   "residual: bool (optional)}")
     for name, e in m["tensors"].items():
         if not isinstance(e, dict) or not isinstance(e.get("sha256"), str):
             bad(f"tensors.{name}", "{sha256: string}")
@@ -185,13 +187,14 @@ class Artifact:
                 raise ArtifactError(f"{path}: linear {name!r} has group size {g!r}, which does not divide K={k} or is not one of {C.GROUP_SIZES}")
             if (e.get("n"), e.get("k")) != (n, k):
                 raise ArtifactError(f"{path}: linear {name!r} is {e.get('n')}x{e.get('k')} in the manifest but the config needs {n}x{k}")
+            res = e.get("residual", False)
             try:
-                expected.update(linear_tensors(name, kind, n, k, g))
+                expected.update(linear_tensors(name, kind, n, k, g, res))
             except SpecError as err:
                 raise ArtifactError(f"{path}: {err}") from None
             rel = e.get("rel_error")
             linears[name] = LinearEntry(name, kind, n, k, g if kind == C.KIND_INT4 else None,
-                                        list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None)
+                                        list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None, res)
         for name, shape in spec.vector_shapes().items():
             expected[name] = (C.DTYPE_BF16, shape)
         for name, (dtype, shape) in expected.items():
@@ -291,9 +294,10 @@ class Artifact:
         groups: dict[str, int] = {}
         q_params = q_bytes = 0
         for lin in self.linears.values():
-            b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size))
+            b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size,
+                                                                  lin.residual))
             roles[lin.role] = roles.get(lin.role, 0) + b
-            key = f"g{lin.group_size}" if lin.kind == C.KIND_INT4 else lin.kind
+            key = (f"g{lin.group_size}" + ("+residual" if lin.residual else "")) if lin.kind == C.KIND_INT4 else lin.kind
             groups[key] = groups.get(key, 0) + 1
             q_params += lin.n * lin.k
             q_bytes += b
@@ -315,6 +319,6 @@ class Artifact:
             "parameters": params,
             "bits_per_weight": 8 * total / params,
             "bits_per_weight_linears": 8 * q_bytes / q_params,
-            "linears": {n: {"kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size, "rel_error": l.rel_error}
-                        for n, l in self.linears.items()},
+            "linears": {n: {"kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size, "rel_error": l.rel_error,
+                            **({"residual": True} if l.residual else {})} for n, l in self.linears.items()},
         }

@@ -21,6 +21,8 @@ Tensor names (``L`` is the layer index)::
     <linear>.scales         bf16  [N]           its per-row scales
     <norm>.weight           bf16  [D]
     <linear>.bias           bf16  [N]
+    <linear>.residual       uint8 [N, K/2]      a split head's 4-bit residual codes (rows32 bytes, see below)
+    <linear>.residual_scales bf16 [N, K/g]      their per-group scales
 
     linears: layers.L.qkv (q|k|v rows), layers.L.o, layers.L.gate_up (gate|up rows),
              layers.L.down, lm_head, embed (only when the embedding is not tied)
@@ -29,6 +31,16 @@ Tensor names (``L`` is the layer index)::
 
 A tied embedding is stored once, as ``lm_head``: the runtime gathers and dequantizes
 embedding rows from it.
+
+A *split* int4 linear (``"residual": true`` in the manifest; ``spark-convert --head split``
+makes the head one) adds a second 4-bit plane: ``r[n, k]`` in 0..15, packed like rows32
+whatever the artifact's layout (row-major, byte ``j`` of 32-column block ``b`` =
+``r[32b+j] | r[32b+j+16] << 4``), and bf16 ``rscale[n, k // g]``. The stored weight is
+``w = (q - 8) * scale + zero + (r - 8) * rscale`` (~int8 precision); the first plane alone
+is an ordinary int4 linear. The runtime's head product reads only the first plane (half
+the bytes of an int8 head) and recomputes the ``REFINE_SPLIT`` largest logits of every
+position from both planes (runtime/common.py), so the logits that carry the probability
+mass have the stored weight's precision.
 """
 
 FORMAT_NAME = "sparkq"

@@ -233,6 +233,16 @@ def dequantize_codes(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size
     return w.reshape(r, k).to(dtype)
 
 
+def residual_rows(residual: torch.Tensor, rscales: torch.Tensor, n: int, k: int, group_size: int,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """A split linear's second plane for the given rows (constants.py): ``(r - 8) * rscale``,
+    float32 ``[len(rows), K]``; ``residual`` is rows32 bytes ``[N, K/2]``, ``rscales`` bf16 ``[N, K/g]``."""
+    ids = rows.to(torch.int64)
+    r = _unpack_rows32(residual.reshape(n, k // 2)[ids], ids.numel(), k).to(torch.float32)
+    s = rscales[ids].to(torch.float32)
+    return ((r.view(-1, k // group_size, group_size) - 8.0) * s[..., None]).view(-1, k)
+
+
 def dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, layout: str | Layout, n: int, k: int,
                  group_size: int, out: torch.Tensor) -> torch.Tensor:
     """Dequantize rows ``[0, n)`` of a packed slice into ``out`` = W^T, shape ``[K, n]``.

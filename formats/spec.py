@@ -350,15 +350,25 @@ def role_of(linear_name: str) -> str:
     return linear_name.rsplit(".", 1)[-1]
 
 
-def linear_tensors(name: str, kind: str, n: int, k: int, group_size: int | None) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (safetensors dtype, shape) of one linear in the artifact."""
+def linear_tensors(name: str, kind: str, n: int, k: int, group_size: int | None,
+                   residual: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (safetensors dtype, shape) of one linear in the artifact (``residual``: a
+    split int4 linear's second plane, constants.py)."""
+    if residual and kind != C.KIND_INT4:
+        raise SpecError(f"{name}: only an int4 linear can have a residual plane, not {kind}")
     if kind == C.KIND_INT4:
         if group_size not in C.GROUP_SIZES or k % group_size:
             raise SpecError(f"{name}: group size {group_size} does not divide K={k}")
-        return {
+        if residual and k % 32:
+            raise SpecError(f"{name}: a residual plane needs K % 32 == 0, got K={k}")
+        out = {
             f"{name}.qweight": (C.DTYPE_U8, (n, k // 2)),
             f"{name}.scales_zeros": (C.DTYPE_BF16, (k // group_size, n, 2)),
         }
+        if residual:
+            out[f"{name}.residual"] = (C.DTYPE_U8, (n, k // 2))
+            out[f"{name}.residual_scales"] = (C.DTYPE_BF16, (n, k // group_size))
+        return out
     if kind == C.KIND_INT8:
         return {f"{name}.qweight": (C.DTYPE_I8, (n, k)), f"{name}.scales": (C.DTYPE_BF16, (n,))}
     if kind == C.KIND_BF16:

@@ -68,19 +68,19 @@ def bandwidth_probe(threads: int, mib: int = 512, reps: int = 5) -> float:
 
 
 def decode_bytes_per_token(loaded) -> int:
-    """Weight bytes one decode step reads: every linear once (the head in full), norms."""
+    """Weight bytes one decode step reads: every linear once (the head in full, a split head's
+    first plane in full and its second for the refined rows), norms."""
+    from sparkq.runtime.common import decode_read_bytes
     from sparkq.runtime.memory import model_regions
 
     seen, total = set(), 0
     for cat, name, t in model_regions(loaded):
         if cat in ("kv cache", "rope tables", "scratch"):
             continue
-        if name.startswith("embed."):
-            continue  # untied embedding: one row per token
         key = (t.data_ptr(), t.numel())
         if key not in seen:
             seen.add(key)
-            total += t.numel() * t.element_size()
+            total += decode_read_bytes(name, t.numel() * t.element_size(), t.shape[0])
     return total
 
 
@@ -138,6 +138,7 @@ def _child_lite(a: dict) -> dict:
     import random
 
     from sparkq.formats.procmem import RssSampler
+    from sparkq.runtime.common import decode_read_bytes
     from sparkq.runtime.lite import load
 
     kw = {k: v for k, v in a["load"].items() if k != "lite"}
@@ -164,8 +165,8 @@ def _child_lite(a: dict) -> dict:
         raise RuntimeError("the lite arm imported torch")
     d = a["model"] if os.path.isdir(a["model"]) else ""
     art = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors")) if d else 0
-    # weight bytes per decode step: every tensor but an untied embedding (one row per token)
-    bpt = sum(v.nbytes for k, v in m.tensors.items() if not k.startswith("embed."))
+    # weight bytes per decode step (decode_bytes_per_token's rule)
+    bpt = sum(decode_read_bytes(k, v.nbytes, v.shape[0]) for k, v in m.tensors.items())
     return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": st.decode_tok_s,
             "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024, "run_peak_rss_mib": run.peak_kib / 1024,
             "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20, "kv_budget_mib": m.k.nbytes * 2 / 2**20,

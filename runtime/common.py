@@ -13,6 +13,22 @@ from .errors import RuntimeUserError
 DEFAULT_KV_BUDGET_MIB = 192
 DEFAULT_MAX_MODEL_LEN = 2048
 REFINE_TOP = 8  # top logits recomputed in fp32 per position (see Model._refine_top)
+# a split head (formats/constants.py): the head product reads its first plane only, and this many
+# top logits per position are recomputed from both planes. Example, 2048 teacher-forced tokens,
+# KL against bf16 with the screen's top k recomputed: 0.1413 (16), 0.1385 (64), 0.1365 (256),
+# 0.1352 (1024), 0.1347 (2048), 0.1343 (4096), 0.1339 (all); the int8 head 0.1340 (scratch
+# script over the int8 artifact's hidden states, not kept; README "Split head")
+REFINE_SPLIT = 2048
+
+
+def decode_read_bytes(name: str, nbytes: int, rows: int) -> int:
+    """Bytes of an artifact tensor one decode step reads: all of it, except a split head's second
+    plane (only its REFINE_SPLIT refined rows) and an untied embedding (one row per token, ~0)."""
+    if name.startswith("embed."):
+        return 0
+    if name.endswith((".residual", ".residual_scales")):
+        return nbytes * min(REFINE_SPLIT, rows) // rows
+    return nbytes
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:

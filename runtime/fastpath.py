@@ -19,7 +19,7 @@ from sparkq.formats.layout import ROWS32
 
 from . import kernels as K
 from .common import check_ids
-from .model import REFINE_TOP
+from .model import REFINE_SPLIT, REFINE_TOP
 from .weights import DenseLinear, Int4Linear, Int8Linear
 
 KIND = {"int4": 0, "int8": 1, "bf16": 2}
@@ -69,7 +69,8 @@ def prefill_supported(model, lib) -> str | None:
 
 def _linear(lin, bias: torch.Tensor | None = None) -> K.SqLinear:
     if isinstance(lin, Int4Linear):
-        return K.SqLinear(_ptr(lin.qweight), _ptr(lin.scales_zeros), _ptr(bias), KIND["int4"], lin.n, lin.k, lin.g)
+        return K.SqLinear(_ptr(lin.qweight), _ptr(lin.scales_zeros), _ptr(bias), KIND["int4"], lin.n, lin.k, lin.g,
+                          _ptr(lin.residual), _ptr(lin.rscales))
     if isinstance(lin, Int8Linear):
         return K.SqLinear(_ptr(lin.qweight), _ptr(lin.scales), _ptr(bias), KIND["int8"], lin.n, lin.k, 0)
     w = lin.weight.to(torch.bfloat16).contiguous()
@@ -109,7 +110,8 @@ class FastDecoder:
         m.inter, m.vocab, m.cap = s.intermediate, model.head.n, model.cache.capacity
         m.act = 0 if s.act == "silu" else 1
         m.norm_offset = int(bool(s.norm_offset))
-        m.refine_top = REFINE_TOP  # the top logits are recomputed exactly in C, as Model._refine_top does
+        # the top logits are recomputed exactly in C, as Model._refine_top / _refine_split do
+        m.refine_top = REFINE_SPLIT if getattr(model.head, "residual", None) is not None else REFINE_TOP
         m.eps, m.attn_scale = s.rms_eps, model.scale
         m.embed_mult = float(model.embed_mult) if model.embed_mult is not None else 0.0
         m.layer = ctypes.cast(layers, ctypes.POINTER(K.SqLayer))

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "sq_decode.c"
-ABI = 4
+ABI = 5
 # prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
 # ~48 MiB fp32 for 512 tokens, from the buffer sizes) while each chunk reads every weight once
 # (and, on AVX512-BF16 CPUs, dequantizes it once: 512 against 256 tokens, pp512 at the 1.7B
@@ -38,7 +38,8 @@ class KernelUnavailable(RuntimeError):
 
 class SqLinear(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64)]
+                ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("g", ctypes.c_int64),
+                ("res", ctypes.c_void_p), ("rsc", ctypes.c_void_p)]  # a split int4 linear's second plane, or NULL
 
 
 class SqLayer(ctypes.Structure):

@@ -27,7 +27,7 @@ from sparkq.formats.layout import ROWS32
 from sparkq.formats.spec import rope_tables_bf16
 
 from . import kernels as K
-from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, REFINE_TOP, LoadInfo, check_ids,
+from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, REFINE_SPLIT, REFINE_TOP, LoadInfo, check_ids,
                      fix_malloc_mmap_threshold, kv_capacity, resolve)
 from .errors import RuntimeUserError
 from .generate import Generator, GenStats, check_request
@@ -113,7 +113,7 @@ class LiteModel(Generator):
         m.inter, m.vocab, m.cap = spec.intermediate, lin["lm_head"].n, cap
         m.act = 0 if spec.act == "silu" else 1
         m.norm_offset = int(bool(spec.norm_offset))
-        m.refine_top = REFINE_TOP
+        m.refine_top = REFINE_SPLIT if art.linears["lm_head"].residual else REFINE_TOP
         m.eps = spec.rms_eps
         m.attn_scale = spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)
         m.embed_mult = _bf16_round(spec.hidden ** 0.5) if spec.embed_scale else 0.0
@@ -153,7 +153,8 @@ class LiteModel(Generator):
     def _linear(self, name: str, li, t: dict, bias: np.ndarray | None = None) -> K.SqLinear:
         if li.kind == C.KIND_INT4:
             return K.SqLinear(self._ptr(t[f"{name}.qweight"]), self._ptr(t[f"{name}.scales_zeros"]), self._ptr(bias), 0,
-                              li.n, li.k, li.group_size)
+                              li.n, li.k, li.group_size, self._ptr(t.get(f"{name}.residual")),
+                              self._ptr(t.get(f"{name}.residual_scales")))
         if li.kind == C.KIND_INT8:
             return K.SqLinear(self._ptr(t[f"{name}.qweight"]), self._ptr(t[f"{name}.scales"]), self._ptr(bias), 1,
                               li.n, li.k, 0)

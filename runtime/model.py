@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from sparkq.formats.spec import ModelSpec, rope_tables_bf16
 
-from .common import REFINE_TOP, kv_bytes_per_token  # noqa: F401  (REFINE_TOP: fastpath imports it from here)
+from .common import REFINE_SPLIT, REFINE_TOP, kv_bytes_per_token  # noqa: F401  (REFINE_TOP: fastpath imports it from here)
 from .errors import RuntimeUserError
 
 
@@ -204,7 +204,9 @@ class Model:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         logits = self.head(x, out_dtype=torch.float32)
-        if self.head.uses_kernel(x.shape[0]):
+        if getattr(self.head, "residual", None) is not None:
+            self._refine_split(logits, x)
+        elif self.head.uses_kernel(x.shape[0]):
             self._refine_top(logits, x)
         if s.final_softcap:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
@@ -220,6 +222,19 @@ class Model:
         cand = logits.topk(k, dim=-1).indices  # [T, k]
         w = self.head.rows(cand.reshape(-1), torch.float32).view(*cand.shape, -1)  # [T, k, D]
         exact = torch.einsum("td,tkd->tk", x.float(), w)
+        logits.scatter_(1, cand, exact)
+
+    def _refine_split(self, logits: torch.Tensor, x: torch.Tensor) -> None:
+        """A split head (formats/constants.py): the product above read its first plane only; the
+        REFINE_SPLIT largest logits of each row are recomputed in fp32 from both planes, as the
+        C core does (sq_step / sq_head)."""
+        k = min(REFINE_SPLIT, logits.shape[-1])
+        cand = logits.topk(k, dim=-1).indices  # [T, k]
+        if x.shape[0] <= 4:  # gather the candidates' rows
+            w = self.head.rows(cand.reshape(-1), torch.float32).view(*cand.shape, -1)
+            exact = torch.einsum("td,tkd->tk", x.float(), w)
+        else:  # many positions: every logit exactly, row block by row block, then pick
+            exact = self.head.exact(x).gather(1, cand)
         logits.scatter_(1, cand, exact)
 
     def logits(self, token_ids) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from sparkq.formats import constants as C
-from sparkq.formats.layout import dequantize_codes, dequantize_t, gather_rows, get_layout, unpack
+from sparkq.formats.layout import dequantize_codes, dequantize_t, gather_rows, get_layout, residual_rows, unpack
 
 int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -67,6 +67,7 @@ class Int4Linear:
         rows = max(B, (scratch.max_elems // k) // B * B)
         self.block_rows = min(n, rows)
         self.c = None  # (lib, SqLinear) when the C core is loaded (rows32 only)
+        self.residual = self.rscales = None  # a split linear's second plane (set by linears_from_artifact)
 
     def c_gemm(self, m: int) -> bool:
         """Whether m rows go through the C core's W4A8 product (else dequantize + dense GEMM)."""
@@ -116,7 +117,10 @@ class Int4Linear:
         return dequantize_t(flat, self.scales_zeros[:, r0:r1], self.layout, r1 - r0, self.k, self.g, out)
 
     def dequant(self) -> torch.Tensor:
-        """The whole weight [N, K] in bf16 (tests and tools; not used on the hot path)."""
+        """The whole stored weight [N, K] in bf16, both planes of a split linear (tests and tools;
+        not used on the hot path)."""
+        if self.residual is not None:
+            return self.rows(torch.arange(self.n))
         codes = unpack(self.qweight, self.layout, self.n, self.k)
         return dequantize_codes(codes, self.scales_zeros, self.g, torch.bfloat16)
 
@@ -145,9 +149,23 @@ class Int4Linear:
         return out
 
     def rows(self, ids: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-        """Rows of the weight gathered straight from the packed bytes (row -> block/lane)."""
+        """Rows of the stored weight gathered straight from the packed bytes (row -> block/lane);
+        a split linear's rows add the second plane (in fp32, then rounded to dtype)."""
         codes = gather_rows(self.qweight, self.layout, self.n, self.k, ids)
-        return dequantize_codes(codes, self.scales_zeros[:, ids], self.g, dtype)
+        if self.residual is None:
+            return dequantize_codes(codes, self.scales_zeros[:, ids], self.g, dtype)
+        w = dequantize_codes(codes, self.scales_zeros[:, ids], self.g, torch.float32)
+        return (w + residual_rows(self.residual, self.rscales, self.n, self.k, self.g, ids)).to(dtype)
+
+    def exact(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T in fp32 with the whole stored weight (a split linear's both planes), W built
+        in row blocks: the split head's refinement when many positions need it."""
+        xf = x.float()
+        out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        for r0 in range(0, self.n, self.block_rows):
+            r1 = min(self.n, r0 + self.block_rows)
+            torch.matmul(xf, self.rows(torch.arange(r0, r1), torch.float32).t(), out=out[:, r0:r1])
+        return out
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup on the (tied) packed weight: no dense copy ever exists."""
@@ -215,6 +233,8 @@ def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratc
         if lin.kind == C.KIND_INT4:
             out[name] = Int4Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales_zeros"],
                                    lin.group_size, lin.n, lin.k, art.layout, scratch, prefill_dequant)
+            if lin.residual:
+                out[name].residual, out[name].rscales = tensors[f"{name}.residual"], tensors[f"{name}.residual_scales"]
         elif lin.kind == C.KIND_INT8:
             out[name] = Int8Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
         else:

@@ -96,11 +96,11 @@ def dequant_reference(loaded, dtype=torch.float32):
 
     dense = {}
     for n, lin in loaded.model.lin.items():
-        if isinstance(lin, Int4Linear):
+        if isinstance(lin, Int4Linear) and lin.residual is None:
             w = dequantize_codes(unpack(lin.qweight, lin.layout, lin.n, lin.k), lin.scales_zeros, lin.g, torch.float32)
         elif isinstance(lin, DenseLinear):
             w = lin.weight.float()
-        else:  # Int8Linear
+        else:  # Int8Linear, or a split Int4Linear (both planes: the stored weight)
             w = lin.rows(torch.arange(lin.n), torch.float32)
         dense[n] = DenseLinear(n, w.to(dtype))
     m = loaded.model

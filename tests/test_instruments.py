@@ -52,7 +52,8 @@ def test_ledger_arithmetic(tiny_tied_art, tiny_untied, tmp_path):
     assert all(cats[c]["resident_anon"] == 0 for c in w_cats)  # file-backed
     convert(str(tiny_untied), str(tmp_path / "u"), Options(progress=False))
     mu = load(str(tmp_path / "u"), max_model_len=64)
-    assert ledger(mu)["categories"]["embedding/head"]["regions"] == 4  # untied: both stored
+    # untied: both stored, each split by default (qweight, scales_zeros, residual, residual_scales)
+    assert ledger(mu)["categories"]["embedding/head"]["regions"] == 8
 
 
 def test_memory_cli(tiny_tied_art):

@@ -188,7 +188,12 @@ def _gemma3_exact(tmp_path, monkeypatch):
     src = make_llama(tmp_path / "g3", arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40,
                      final_logit_softcapping=30.0)
     out = tmp_path / "g3-int4"
-    convert(str(src), str(out), Options(progress=False, method="minmax"))
+    # int8 head: the error budgets below were measured with it. A split head's embedding rows
+    # have full fp32 mantissas, so the C core's bf16 rounding of them (as the torch runtime's
+    # rows) adds more than the int8 grid's, which bf16 often holds exactly: max ratio 1.28 vs
+    # 0.79 here (0.90 against a reference with the same bf16 rows). tests/test_split_head.py
+    # covers that head.
+    convert(str(src), str(out), Options(progress=False, method="minmax", head="int8"))
     monkeypatch.setenv("SPARKQ_KERNEL", "exact")
     return load(str(out), max_model_len=64)
 

@@ -115,7 +115,8 @@ def test_gptq_conversion_end_to_end(tiny_tied, tmp_path):
     assert c["tokens"] == 1024 and c["sequences"] == 2 and c["start_char"] == len(calib.read_text()) // 2
     art = Artifact.open(out)
     assert art.manifest["method"] == "gptq" and art.manifest["calibration"]["sha256"] == c["sha256"]
-    assert art.linears["lm_head"].kind == "int8"  # the recipes' default head
+    # the default head on rows32: split (int4 plane + residual plane, gptq on the first)
+    assert art.linears["lm_head"].kind == "int4" and art.linears["lm_head"].residual
     art.verify()
     from sparkq.convert.publish import model_card
     assert "| method | gptq, calibrated on 1024 tokens of calib.txt |" in model_card(art, "me/g", ["rows32"]).text

@@ -47,7 +47,7 @@
 #include <immintrin.h>
 #endif
 
-#define SQ_ABI 4
+#define SQ_ABI 5
 #define QUAD_MAX_GROUPS 256 /* more weight groups per row: the AVX2 (paired) products instead */
 
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2 };
@@ -58,6 +58,11 @@ typedef struct {
     const uint16_t *sz;     /* int4: bf16 [K/g, N, 2]; int8: bf16 scales [N]; bf16: unused */
     const uint16_t *bias;   /* bf16 [N] or NULL */
     int64_t kind, n, k, g;
+    /* a split int4 linear's second plane (formats/constants.py), else NULL: rows32 codes r
+     * [N, K/2] and bf16 scales [N, K/g]; stored weight = (q - 8) s + z + (r - 8) rs. Products
+     * read the first plane only; refine_split and embed_row add the second. */
+    const uint8_t *res;
+    const uint16_t *rsc;
 } sq_linear;
 
 typedef struct {
@@ -1259,6 +1264,9 @@ typedef struct {
     float *xn, *qkv, *att, *h, *gu, *mid, *scores, *logits_tmp;
     sq_act a;
     int64_t maxk;
+    int32_t *cand, *tie; /* refine_split: the candidate rows, and a bucket's members while selecting */
+    float *gsum;         /* refine_split: per-group sums of the activations */
+    int64_t ncand;
 } sq_work;
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -1278,6 +1286,12 @@ void *sq_work_new(const sq_model *m) {
     w->scores = malloc(sizeof(float) * m->heads * m->cap);
     if (!sq_act_alloc(&w->a, maxk) || !w->xn || !w->qkv || !w->att || !w->h || !w->gu || !w->mid || !w->scores)
         return NULL;
+    if (m->head.res) {
+        w->cand = malloc(sizeof(int32_t) * (m->refine_top > 0 ? m->refine_top : 1));
+        w->tie = malloc(sizeof(int32_t) * 2 * m->head.n); /* candidates, then a bucket of them */
+        w->gsum = malloc(sizeof(float) * (m->head.k / m->head.g));
+        if (!w->cand || !w->tie || !w->gsum) return NULL;
+    }
     return w;
 }
 
@@ -1285,6 +1299,7 @@ void sq_work_free(void *p) {
     sq_work *w = p;
     if (!w) return;
     free(w->xn); free(w->qkv); free(w->att); free(w->h); free(w->gu); free(w->mid); free(w->scores);
+    free(w->cand); free(w->tie); free(w->gsum);
     sq_act_free(&w->a);
     free(w);
 }
@@ -1413,8 +1428,16 @@ static void embed_row(const sq_linear *E, int64_t id, float *x) {
             for (int j = 0; j < 16; j++) {
                 int64_t k0 = 32 * b + j, k1 = k0 + 16;
                 const uint16_t *p0 = E->sz + 2 * ((k0 / E->g) * E->n + id), *p1 = E->sz + 2 * ((k1 / E->g) * E->n + id);
-                x[k0] = bf(to_bf(((w[16 * b + j] & 15) - 8.f) * bf(p0[0]) + bf(p0[1])));
-                x[k1] = bf(to_bf(((w[16 * b + j] >> 4) - 8.f) * bf(p1[0]) + bf(p1[1])));
+                x[k0] = ((w[16 * b + j] & 15) - 8.f) * bf(p0[0]) + bf(p0[1]);
+                x[k1] = ((w[16 * b + j] >> 4) - 8.f) * bf(p1[0]) + bf(p1[1]);
+                if (E->res) { /* a split embedding: add the second plane */
+                    const uint8_t r = E->res[id * (K / 2) + 16 * b + j];
+                    const uint16_t *rs = E->rsc + id * (K / E->g);
+                    x[k0] += ((r & 15) - 8.f) * bf(rs[k0 / E->g]);
+                    x[k1] += ((r >> 4) - 8.f) * bf(rs[k1 / E->g]);
+                }
+                x[k0] = bf(to_bf(x[k0]));
+                x[k1] = bf(to_bf(x[k1]));
             }
     } else if (E->kind == KIND_INT8) {
         const int8_t *w = (const int8_t *)E->q + id * K;
@@ -1443,6 +1466,182 @@ static void refine_top(const sq_linear *H, const float *x, float *logits, int64_
         idx[j] = i;
     }
     for (int c = 0; c < cnt; c++) logits[idx[c]] = (float)exact_row_dot(H, idx[c], x);
+}
+
+/* ---- a split head's refinement --------------------------------------------------------------
+ * The head product read the first (int4) plane only; the k largest of those logits are
+ * recomputed in fp32 from both planes (fp32 activations, no A8) -- the set torch's topk gives
+ * (up to ties). Selection in ~3 passes: the max; a threshold from a histogram of every 8th
+ * logit (buckets of 1/32 below the max) that leaves somewhat more than k above it; every
+ * logit at or above it (lowered until there are >= k); among those, the same histogram to find
+ * the k-th, and of its bucket the largest (value, then lower index). Row dots per group g:
+ * with D_q = sum x q, D_r = sum x r, X = sum x over the group, the stored row gives
+ *   s D_q + rs D_r + (z - 8 s - 8 rs) X. */
+#define SEL_BUCKETS 4096
+
+static __thread const float *g_sel_logits; /* qsort has no context argument in C11 */
+static int cmp_desc(const void *a, const void *b) {
+    const float *l = g_sel_logits;
+    const int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    return l[i] > l[j] ? -1 : l[i] < l[j] ? 1 : (i > j) - (i < j);
+}
+
+static inline int sel_bucket(float mx, float v) { /* NaN and everything 128 below the max: the last */
+    const float d = (mx - v) * 32.f;
+    return d < (float)(SEL_BUCKETS - 1) ? (int)d : SEL_BUCKETS - 1;
+}
+
+static float max_of(const float *v, int64_t n) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#ifdef SQ_AVX512
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(v + i)); /* a NaN lane keeps m */
+    mx = _mm512_reduce_max_ps(m);
+#endif
+    for (; i < n; i++) mx = v[i] > mx ? v[i] : mx;
+    return mx;
+}
+
+/* indices i with v[i] >= t, in order */
+static int64_t at_or_above(const float *v, int64_t n, float t, int32_t *out) {
+    int64_t c = 0, i = 0;
+#ifdef SQ_AVX512
+    const __m512 tv = _mm512_set1_ps(t);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= n; i += 16, idx = _mm512_add_epi32(idx, step)) {
+        const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), tv, _CMP_GE_OQ);
+        _mm512_mask_compressstoreu_epi32(out + c, k, idx);
+        c += __builtin_popcount(k);
+    }
+#endif
+    for (; i < n; i++)
+        if (v[i] >= t) out[c++] = (int32_t)i;
+    return c;
+}
+
+/* the k largest of v[cand[0..c)] (c >= k) into out */
+static int64_t top_of(const float *v, const int32_t *cand, int64_t c, int64_t k, float mx, int32_t *out,
+                      int32_t *tie) {
+    uint32_t hist[SEL_BUCKETS] = {0};
+    for (int64_t i = 0; i < c; i++) hist[sel_bucket(mx, v[cand[i]])]++;
+    int64_t above = 0, o = 0, t = 0;
+    int b = 0;
+    while (above + (int64_t)hist[b] < k) above += hist[b++];
+    for (int64_t i = 0; i < c; i++) {
+        const int bi = sel_bucket(mx, v[cand[i]]);
+        if (bi < b) out[o++] = cand[i];
+        else if (bi == b) tie[t++] = cand[i];
+    }
+    g_sel_logits = v;
+    qsort(tie, (size_t)t, sizeof(int32_t), cmp_desc);
+    for (int64_t i = 0; o < k && i < t; i++) out[o++] = tie[i];
+    return o;
+}
+
+/* tie: room for n indices */
+static int64_t select_top(const float *v, int64_t n, int64_t k, int32_t *out, int32_t *tie) {
+    if (k <= 0) return 0;
+    if (k >= n) {
+        for (int64_t i = 0; i < n; i++) out[i] = (int32_t)i;
+        return n;
+    }
+    const float mx = max_of(v, n);
+    if (!(mx > -INFINITY)) return 0; /* every logit NaN or -inf: nothing to refine */
+    uint32_t hist[SEL_BUCKETS] = {0};
+    for (int64_t i = 0; i < n; i += 8) hist[sel_bucket(mx, v[i])]++;
+    const int64_t want = k / 8 + k / 32 + 8; /* sampled logits above the threshold */
+    int64_t above = 0;
+    int b = 0;
+    while (b < SEL_BUCKETS - 1 && above + (int64_t)hist[b] < want) above += hist[b++];
+    float t = b < SEL_BUCKETS - 1 ? mx - (float)(b + 1) / 32.f : -INFINITY;
+    int64_t c;
+    for (;;) {
+        c = at_or_above(v, n, t, tie);
+        if (c >= k || t == -INFINITY) break;
+        const float d = 2.f * (mx - t);
+        t = d > 128.f ? -INFINITY : mx - d;
+    }
+    if (c <= k) { /* NaN logits are never candidates */
+        memcpy(out, tie, sizeof(int32_t) * (size_t)c);
+        return c;
+    }
+    return top_of(v, tie, c, k, mx, out, tie + c);
+}
+
+#ifdef SQ_AVX512
+static inline __m512 nib_dot(__m128i b, const float *xb, __m512 acc) { /* 32 codes of a rows32 block */
+    const __m128i m = _mm_set1_epi8(15);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m))), _mm512_loadu_ps(xb), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m))),
+                           _mm512_loadu_ps(xb + 16), acc);
+}
+#elif defined(SQ_AVX2)
+static inline __m256 nib_dot(__m128i b, const float *xb, __m256 acc) {
+    const __m128i m = _mm_set1_epi8(15), lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xb), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xb + 8), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xb + 16), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(xb + 24), acc);
+}
+#endif
+
+static float split_row_dot(const sq_linear *L, int64_t n, const float *x, const float *gsum) {
+    const int64_t K = L->k, g = L->g, G = K / g;
+    const uint8_t *w = L->q + n * (K / 2), *r = L->res + n * (K / 2);
+    const uint16_t *rs = L->rsc + n * G;
+    float acc = 0.f;
+    for (int64_t gi = 0; gi < G; gi++) {
+        float dq = 0.f, dr = 0.f;
+        const int64_t b0 = gi * g / 32, b1 = (gi + 1) * g / 32;
+#if defined(SQ_AVX512)
+        __m512 aq = _mm512_setzero_ps(), ar = _mm512_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) {
+            aq = nib_dot(_mm_loadu_si128((const __m128i *)(w + 16 * b)), x + 32 * b, aq);
+            ar = nib_dot(_mm_loadu_si128((const __m128i *)(r + 16 * b)), x + 32 * b, ar);
+        }
+        dq = _mm512_reduce_add_ps(aq);
+        dr = _mm512_reduce_add_ps(ar);
+#elif defined(SQ_AVX2)
+        __m256 aq = _mm256_setzero_ps(), ar = _mm256_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) {
+            aq = nib_dot(_mm_loadu_si128((const __m128i *)(w + 16 * b)), x + 32 * b, aq);
+            ar = nib_dot(_mm_loadu_si128((const __m128i *)(r + 16 * b)), x + 32 * b, ar);
+        }
+        dq = hsum8(aq);
+        dr = hsum8(ar);
+#else
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *wb = w + 16 * b, *rb = r + 16 * b;
+            const float *xb = x + 32 * b;
+            for (int j = 0; j < 16; j++) {
+                dq += (float)(wb[j] & 15) * xb[j] + (float)(wb[j] >> 4) * xb[j + 16];
+                dr += (float)(rb[j] & 15) * xb[j] + (float)(rb[j] >> 4) * xb[j + 16];
+            }
+        }
+#endif
+        const uint16_t *p = L->sz + 2 * (gi * L->n + n);
+        const float s = bf(p[0]), z = bf(p[1]), q = bf(rs[gi]);
+        acc += s * dq + q * dr + (z - 8.f * s - 8.f * q) * gsum[gi];
+    }
+    return acc;
+}
+
+/* the candidates (one thread, then a barrier) ... */
+static void split_select(const sq_linear *H, sq_work *w, const float *x, const float *logits, int64_t k) {
+    w->ncand = select_top(logits, H->n, k, w->cand, w->tie);
+    for (int64_t gi = 0; gi < H->k / H->g; gi++) {
+        float s = 0.f;
+        for (int64_t j = gi * H->g; j < (gi + 1) * H->g; j++) s += x[j];
+        w->gsum[gi] = s;
+    }
+}
+
+/* ... and their rows, by every thread of the region */
+static void split_rows(const sq_linear *H, sq_work *w, const float *x, float *logits) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < w->ncand; i++) logits[w->cand[i]] = split_row_dot(H, w->cand[i], x, w->gsum);
 }
 
 #ifdef SQ_AVX2
@@ -1544,8 +1743,14 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             prep(&m->head, w->xn, &w->a);
         }
         products(&m->head, &w->a, logits); /* a final softcap, if any, is applied by the caller */
+        if (m->head.res) {
 #pragma omp single
-        refine_top(&m->head, w->xn, logits, m->refine_top);
+            split_select(&m->head, w, w->xn, logits, m->refine_top);
+            split_rows(&m->head, w, w->xn, logits);
+        } else {
+#pragma omp single
+            refine_top(&m->head, w->xn, logits, m->refine_top);
+        }
     }
     return 0;
 }
@@ -1557,7 +1762,13 @@ int sq_head(const sq_model *m, void *work, const float *xn, float *logits) {
     prep(&m->head, xn, &w->a);
 #pragma omp parallel
     products(&m->head, &w->a, logits);
-    refine_top(&m->head, xn, logits, m->refine_top);
+    if (m->head.res) {
+        split_select(&m->head, w, xn, logits, m->refine_top);
+#pragma omp parallel
+        split_rows(&m->head, w, xn, logits);
+    } else {
+        refine_top(&m->head, xn, logits, m->refine_top);
+    }
     return 0;
 }
 
