@@ -1571,6 +1571,9 @@ static int64_t select_top(const float *v, int64_t n, int64_t k, int32_t *out, in
 }
 
 #ifdef SQ_AVX512
+typedef __m512 nibv; /* nib_dot's accumulator */
+#define nib_zero _mm512_setzero_ps
+#define nib_sum _mm512_reduce_add_ps
 static inline __m512 nib_dot(__m128i b, const float *xb, __m512 acc) { /* 32 codes of a rows32 block */
     const __m128i m = _mm_set1_epi8(15);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m))), _mm512_loadu_ps(xb), acc);
@@ -1578,6 +1581,9 @@ static inline __m512 nib_dot(__m128i b, const float *xb, __m512 acc) { /* 32 cod
                            _mm512_loadu_ps(xb + 16), acc);
 }
 #elif defined(SQ_AVX2)
+typedef __m256 nibv;
+#define nib_zero _mm256_setzero_ps
+#define nib_sum hsum8
 static inline __m256 nib_dot(__m128i b, const float *xb, __m256 acc) {
     const __m128i m = _mm_set1_epi8(15), lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xb), acc);
@@ -1595,22 +1601,14 @@ static float split_row_dot(const sq_linear *L, int64_t n, const float *x, const 
     for (int64_t gi = 0; gi < G; gi++) {
         float dq = 0.f, dr = 0.f;
         const int64_t b0 = gi * g / 32, b1 = (gi + 1) * g / 32;
-#if defined(SQ_AVX512)
-        __m512 aq = _mm512_setzero_ps(), ar = _mm512_setzero_ps();
+#ifdef SQ_AVX2
+        nibv aq = nib_zero(), ar = nib_zero();
         for (int64_t b = b0; b < b1; b++) {
             aq = nib_dot(_mm_loadu_si128((const __m128i *)(w + 16 * b)), x + 32 * b, aq);
             ar = nib_dot(_mm_loadu_si128((const __m128i *)(r + 16 * b)), x + 32 * b, ar);
         }
-        dq = _mm512_reduce_add_ps(aq);
-        dr = _mm512_reduce_add_ps(ar);
-#elif defined(SQ_AVX2)
-        __m256 aq = _mm256_setzero_ps(), ar = _mm256_setzero_ps();
-        for (int64_t b = b0; b < b1; b++) {
-            aq = nib_dot(_mm_loadu_si128((const __m128i *)(w + 16 * b)), x + 32 * b, aq);
-            ar = nib_dot(_mm_loadu_si128((const __m128i *)(r + 16 * b)), x + 32 * b, ar);
-        }
-        dq = hsum8(aq);
-        dr = hsum8(ar);
+        dq = nib_sum(aq);
+        dr = nib_sum(ar);
 #else
         for (int64_t b = b0; b < b1; b++) {
             const uint8_t *wb = w + 16 * b, *rb = r + 16 * b;
