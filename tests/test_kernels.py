@@ -249,14 +249,16 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     assert ((last - b32[-1]).abs().max() / (b16[-1] - b32[-1]).abs().max()).item() < 0.9
 
 
-def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path):
-    """The AVX2 prefill (paired GEMM: K = 128; score tiles of 4 keys x 8 queries: head_dim 32) on a
+@pytest.mark.parametrize("heads,head_dim", [(4, None), (8, 24)])  # 24: AVX512 P.V on 16 columns, then 8
+def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path, heads, head_dim):
+    """The native prefill (AVX2: paired GEMM, K = 128, score tiles of 4 keys x 8 queries; AVX512: 16
+    queries, P.V on 16 columns: head_dim 32, 30 prompt tokens = two query blocks) on a
     sliding-window model: no further from fp32 compute than the torch prefill, and equal, up
     to summation order, to decode steps through the same cache."""
     from helpers import dequant_reference
     from sparkq.runtime import load
 
-    src = make_llama(tmp_path / "m", arch="mistral", layers=3, sliding_window=8)
+    src = make_llama(tmp_path / "m", arch="mistral", layers=3, sliding_window=8, heads=heads, head_dim=head_dim)
     out = tmp_path / "m-int4"
     convert(str(src), str(out), Options(progress=False, method="minmax"))
     q = load(str(out), max_model_len=64)

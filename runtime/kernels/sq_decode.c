@@ -977,13 +977,36 @@ static void dequant_pairs(const sq_linear *L, int64_t n0, uint32_t *wp) {
             const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
             const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000)));
             const __m512 cv = _mm512_sub_ps(zv, _mm512_mul_ps(_mm512_set1_ps(8.f), sv));
-            for (int64_t b = gi * (G / 32); b < (gi + 1) * (G / 32); b++)
+            for (int64_t b = gi * (G / 32); b < (gi + 1) * (G / 32); b++) {
+                __m512i ub[4]; /* dword j / 4 of block b of each of the 16 rows, lane = row */
+                if (valid == 0xffff) {
+                    /* a 16 x 4 dword transpose of plain loads (a gather is microcoded: 4 of them
+                     * cost more than the 16 loads and 8 shuffles): zm holds rows m, 4 + m, 8 + m,
+                     * 12 + m in its 128-bit lanes, so the unpacks leave row r in lane r */
+                    __m512i z[4];
+                    for (int mm = 0; mm < 4; mm++) {
+                        const uint8_t *rp = base + mm * rb + 16 * b;
+                        z[mm] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)rp));
+                        z[mm] = _mm512_inserti32x4(z[mm], _mm_loadu_si128((const __m128i *)(rp + 4 * rb)), 1);
+                        z[mm] = _mm512_inserti32x4(z[mm], _mm_loadu_si128((const __m128i *)(rp + 8 * rb)), 2);
+                        z[mm] = _mm512_inserti32x4(z[mm], _mm_loadu_si128((const __m128i *)(rp + 12 * rb)), 3);
+                    }
+                    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+                    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+                    ub[0] = _mm512_unpacklo_epi64(t0, t2);
+                    ub[1] = _mm512_unpackhi_epi64(t0, t2);
+                    ub[2] = _mm512_unpacklo_epi64(t1, t3);
+                    ub[3] = _mm512_unpackhi_epi64(t1, t3);
+                } else {
+                    for (int j = 0; j < 4; j++)
+                        ub[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
+                                                            _mm512_add_epi32(rowoff, _mm512_set1_epi32((int)(16 * b + 4 * j))),
+                                                            (const void *)base, 1);
+                }
                 for (int j = 0; j < 16; j += 4) {
                     /* bytes 16b + j .. + 3 of each row: columns 32b + j + i (low nibbles) and
                      * 32b + 16 + j + i (high nibbles), i < 4 */
-                    const __m512i u = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
-                                                                  _mm512_add_epi32(rowoff, _mm512_set1_epi32((int)(16 * b + j))),
-                                                                  (const void *)base, 1);
+                    const __m512i u = ub[j / 4];
                     const __m512i lo = _mm512_and_si512(u, m4), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), m4);
                     __m512 f[8];
                     for (int i = 0; i < 4; i++) {
@@ -996,6 +1019,7 @@ static void dequant_pairs(const sq_linear *L, int64_t n0, uint32_t *wp) {
                     _mm512_storeu_si512((void *)d1, bf16_pairs(f[4], f[5]));
                     _mm512_storeu_si512((void *)(d1 + NBR), bf16_pairs(f[6], f[7]));
                 }
+            }
         }
     }
 }
@@ -1240,7 +1264,19 @@ int sq_dequant_rows(const sq_linear *L, int64_t r0, int64_t r1, float *out) {
 
 static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, int offset, float *out) {
     double ss = 0.0;
-    for (int64_t i = 0; i < d; i++) ss += (double)x[i] * x[i];
+    int64_t i0 = 0;
+#ifdef SQ_AVX512
+    { /* the sum of squares in fp64 on 8 lanes x 2 chains (a serial fp64 sum waits on each add) */
+        __m512d a = _mm512_setzero_pd(), b = a;
+        for (; i0 + 16 <= d; i0 += 16) {
+            const __m512d u = _mm512_cvtps_pd(_mm256_loadu_ps(x + i0)), v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i0 + 8));
+            a = _mm512_fmadd_pd(u, u, a);
+            b = _mm512_fmadd_pd(v, v, b);
+        }
+        ss = _mm512_reduce_add_pd(_mm512_add_pd(a, b));
+    }
+#endif
+    for (int64_t i = i0; i < d; i++) ss += (double)x[i] * x[i];
     float r = (float)(1.0 / sqrt(ss / d + eps));
     for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * (offset ? 1.f + bf(w[i]) : bf(w[i]));
 }
@@ -1668,8 +1704,43 @@ static inline __m256 load_bf8(const uint16_t *p) {
 }
 #endif
 
+#ifdef SQ_AVX512
+/* exp8's arithmetic on 16 lanes (the same polynomial, the same clamps) */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
     int64_t i = 0;
+#ifdef SQ_AVX512
+    if (act == 0)
+        for (; i + 16 <= I; i += 16) { /* the AVX2 loop below on 16 lanes */
+            const __m512 g = _mm512_loadu_ps(gu + i);
+            const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(87.f)));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                                    _mm512_loadu_ps(gu + I + i)));
+        }
+#endif
 #ifdef SQ_AVX2
     if (act == 0)
         for (; i + 8 <= I; i += 8) {
@@ -1775,19 +1846,60 @@ int sq_head(const sq_model *m, void *work, const float *xn, float *logits) {
  * pointwise parts, W4A8 products through the GEMM (sq_linear_batch), bf16 KV cache, and a
  * causal (optionally sliding-window) attention over the cache in fp32. */
 
-#define PQB 8 /* queries per attention work item */
+#ifdef SQ_AVX512
+#define PQB 16 /* queries per attention work item: one lane each */
+#else
+#define PQB 8
+#endif
 
 /* pt[(j - klo) * PQB + i] = scale * q_i . K_j for queries i < nq (rows of q, stride ldq) and
  * keys j in [klo, khi) of one KV head, read from Kf (fp32 [*, D], the head's bf16 cache rows
  * converted once per chunk by attention_many): the scores of one key for all PQB queries are
  * contiguous, so the softmax runs across queries in one vector and P.V reads one cache line per
- * key. AVX2: the (scaled) queries transposed to qt [D][PQB], so one FMA multiplies one key
- * element (broadcast) with all PQB queries; 4 keys x 2 accumulators in registers, no horizontal
- * sums. Lanes i >= nq get 0 (masked by the softmax). */
+ * key. AVX2 (8 queries) and AVX512 (16): the (scaled) queries transposed to qt [D][PQB], so one
+ * FMA multiplies one key element (broadcast) with all PQB queries; 4 keys x 2 accumulators in
+ * registers, no horizontal sums. Lanes i >= nq get 0 (masked by the softmax). */
 static void scores_t(const sq_model *m, const float *Kf, const float *q, int64_t ldq, int64_t nq, int64_t klo,
                      int64_t khi, float scale, float *pt) {
     const int64_t D = m->head_dim;
-#ifdef SQ_AVX2
+#ifdef SQ_AVX512
+    if (D % 2 == 0 && D <= 512) { /* the AVX2 loop below on 16 lanes */
+        float qt[512 * PQB] __attribute__((aligned(64)));
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t i = 0; i < PQB; i++) qt[d * PQB + i] = i < nq ? q[i * ldq + d] * scale : 0.f;
+        int64_t j = klo;
+        for (; j + 4 <= khi; j += 4) {
+            const float *k0 = Kf + j * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t d = 0; d < D; d += 2) {
+                const __m512 q0 = _mm512_load_ps(qt + d * PQB), q1 = _mm512_load_ps(qt + (d + 1) * PQB);
+                a0 = _mm512_fmadd_ps(q0, _mm512_set1_ps(k0[d]), a0);
+                b0 = _mm512_fmadd_ps(q1, _mm512_set1_ps(k0[d + 1]), b0);
+                a1 = _mm512_fmadd_ps(q0, _mm512_set1_ps(k1[d]), a1);
+                b1 = _mm512_fmadd_ps(q1, _mm512_set1_ps(k1[d + 1]), b1);
+                a2 = _mm512_fmadd_ps(q0, _mm512_set1_ps(k2[d]), a2);
+                b2 = _mm512_fmadd_ps(q1, _mm512_set1_ps(k2[d + 1]), b2);
+                a3 = _mm512_fmadd_ps(q0, _mm512_set1_ps(k3[d]), a3);
+                b3 = _mm512_fmadd_ps(q1, _mm512_set1_ps(k3[d + 1]), b3);
+            }
+            float *o = pt + (j - klo) * PQB;
+            _mm512_storeu_ps(o, _mm512_add_ps(a0, b0));
+            _mm512_storeu_ps(o + PQB, _mm512_add_ps(a1, b1));
+            _mm512_storeu_ps(o + 2 * PQB, _mm512_add_ps(a2, b2));
+            _mm512_storeu_ps(o + 3 * PQB, _mm512_add_ps(a3, b3));
+        }
+        for (; j < khi; j++) {
+            const float *kr = Kf + j * D;
+            __m512 a = _mm512_setzero_ps(), b = a;
+            for (int64_t d = 0; d < D; d += 2) {
+                a = _mm512_fmadd_ps(_mm512_load_ps(qt + d * PQB), _mm512_set1_ps(kr[d]), a);
+                b = _mm512_fmadd_ps(_mm512_load_ps(qt + (d + 1) * PQB), _mm512_set1_ps(kr[d + 1]), b);
+            }
+            _mm512_storeu_ps(pt + (j - klo) * PQB, _mm512_add_ps(a, b));
+        }
+        return;
+    }
+#elif defined(SQ_AVX2)
     if (D % 2 == 0 && D <= 512 && PQB == 8) {
         float qt[512 * PQB] __attribute__((aligned(32)));
         for (int64_t d = 0; d < D; d++)
@@ -1875,7 +1987,24 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
                 scores_t(m, kf, qkv + t0 * ldq + h * D, ldq, nq, klo, khi, scale, pt);
                 /* softmax across the keys, all PQB queries in one vector (masked lanes give 0) */
                 float inv[PQB];
-    #ifdef SQ_AVX2
+    #if defined(SQ_AVX512)
+                {
+                    const __m512i vlo = _mm512_loadu_si512((const void *)lo), vhi = _mm512_loadu_si512((const void *)hi);
+                    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    #define SQ_VALID(j) (_mm512_cmpgt_epi32_mask(vhi, _mm512_set1_epi32((int32_t)(j))) & \
+                         _mm512_cmple_epi32_mask(vlo, _mm512_set1_epi32((int32_t)(j))))
+                    for (int64_t j = klo; j < khi; j++)
+                        mx = _mm512_mask_max_ps(mx, SQ_VALID(j), mx, _mm512_loadu_ps(pt + (j - klo) * PQB));
+                    for (int64_t j = klo; j < khi; j++) {
+                        float *pj = pt + (j - klo) * PQB;
+                        const __m512 e = _mm512_maskz_mov_ps(SQ_VALID(j), exp16(_mm512_sub_ps(_mm512_loadu_ps(pj), mx)));
+                        _mm512_storeu_ps(pj, e);
+                        sum = _mm512_add_ps(sum, e);
+                    }
+    #undef SQ_VALID
+                    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+                }
+    #elif defined(SQ_AVX2)
                 {
                     const __m256i vlo = _mm256_loadu_si256((const __m256i *)lo), vhi = _mm256_loadu_si256((const __m256i *)hi);
                     const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -1905,8 +2034,23 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
                     inv[i] = sum > 0.f ? 1.f / sum : 0.f;
                 }
     #endif
-                /* out = P V / sum: per 8 columns, the PQB outputs stay in registers over the keys */
-                for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                /* out = P V / sum: per 16 (AVX512) or 8 columns, the PQB outputs stay in registers
+                 * over the keys */
+                int64_t dbeg = 0;
+    #ifdef SQ_AVX512
+                for (; dbeg + 16 <= D; dbeg += 16) {
+                    __m512 acc[PQB];
+                    for (int i = 0; i < PQB; i++) acc[i] = _mm512_setzero_ps();
+                    for (int64_t j = klo; j < khi; j++) {
+                        const __m512 v = load_bf16x16(V + j * D + dbeg);
+                        const float *pj = pt + (j - klo) * PQB;
+                        for (int i = 0; i < PQB; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(pj[i]), v, acc[i]);
+                    }
+                    for (int i = 0; i < PQB; i++)
+                        if (i < nq) _mm512_storeu_ps(att + (t0 + i) * H * D + h * D + dbeg, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv[i])));
+                }
+    #endif
+                for (int64_t d0 = dbeg; d0 < D; d0 += 8) {
     #ifdef SQ_AVX2
                     if (d0 + 8 <= D) {
                         __m256 acc[PQB];
