@@ -35,7 +35,7 @@ clean:
 benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~30 min on 2 cores)
 	$(BIN)/python -m sparkq.cli.benchmarks $(WORK)
 
-quality: setup  ## every --method vs llama.cpp Q4_0/Q4_K_M on the same tokens -> work/QUALITY.md (by hand: ~20 min)
+quality: setup  ## every --method vs llama.cpp Q4_0/Q4_K_M on the same tokens -> work/QUALITY.md (by hand: ~5 min)
 	$(BIN)/python -m sparkq.cli.quality --work $(WORK) --corpus $(CORPUS)
 
 fuzz: setup  ## >= 10,000 mutated-artifact cases; prints counts by mutation and outcome

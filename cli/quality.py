@@ -39,7 +39,8 @@ BUILDS = [  # name, spark-convert arguments ("CORPUS" becomes --corpus: in-domai
     ("clip", ["--method", "clip", "--head", "int4"]),
     ("clip + int8 head (calibration-free)", ["--method", "clip", "--head", "int8"]),
     ("gptq, bundled text", ["--method", "gptq", "--head", "int4"]),
-    ("**default** (gptq on the bundled text + int8 head)", []),
+    ("gptq + int8 head (the default until the split head)", ["--head", "int8"]),
+    ("**default** (gptq on the bundled text + split head)", []),
     ("gptq + int8 head, --calib corpus (in-domain)", ["--method", "gptq", "--head", "int8", "--calib", "CORPUS"]),
 ]
 # Mixed precision at the role level (`--set mixed`): recipes derived from the built-in llama
