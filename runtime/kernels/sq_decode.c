@@ -293,9 +293,9 @@ static void rows_int4_avx2(const sq_linear *L, const sq_act *a, float *y, int64_
 #ifdef SQ_AVX512
 /* The weight scales of quad step p (128 columns) from a row's fp32 group scales s: one group
  * (g >= 128; gsh = log2(g / 128)) or two (g = 64, gsh < 0: lanes 0-7, 8-15). */
-static inline __m512 step_scales(const float *s, int gsh, int64_t p) {
-    if (gsh < 0) return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[2 * p]), _mm512_set1_ps(s[2 * p + 1]));
-    return _mm512_set1_ps(s[p >> gsh]);
+static inline __m512 step_scales(const float *s, int gsh, int64_t p, int64_t st) { /* s[st * group] */
+    if (gsh < 0) return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[st * 2 * p]), _mm512_set1_ps(s[st * (2 * p + 1)]));
+    return _mm512_set1_ps(s[st * (p >> gsh)]);
 }
 
 static inline int group_shift(int64_t G) { return G == 64 ? -1 : __builtin_ctzll((uint64_t)G) - 7; }
@@ -321,51 +321,50 @@ static inline float half_step(const uint8_t *w, const int8_t *xq, const float *s
     return hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p)));
 }
 
-/* R rows n.. of int4 x quad int8 activations (VNNI). sc: the rows' fp32 weight scales
- * [R][K/g]; zt: their zero and -8 terms. Per 128 columns one 64-byte weight load per row, two
- * masks, two vpdpbusd, a convert and two FMAs (activation scales, weight scales; g >= 256:
- * the weight scale once per group, through a group accumulator); a last half step
- * (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
-static inline __attribute__((always_inline)) void int4_rows512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
-                                                               const float *sc, const float *zt, int64_t ahead, const int R) {
+/* One row n of int4 x quad int8 activations (VNNI). sc: the row's fp32 weight scales, one every
+ * 16 floats (its chunk's scales are group-major: sc[16 gi + row]); zt: its zero and -8 terms.
+ * Per 128 columns one 64-byte weight load, two masks, two vpdpbusd, a convert and two FMAs
+ * (activation scales, weight scales; g >= 256: the weight scale once per group, through a group
+ * accumulator); a last half step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
+static inline __attribute__((always_inline)) void int4_row512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                              const float *sc, float zt, int64_t ahead) {
     const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
-    const uint8_t *w = L->q + n * rb;
-    __m512 acc[2];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *w = L->q + n * rb, *wa = w + ahead * rb;
+    __m512 acc = _mm512_setzero_ps();
     if (G <= 128) { /* one step per scale vector: no group accumulator */
         const int gsh = group_shift(G);
         for (int64_t p = 0; p < nq; p++) {
             const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
             const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
             const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(w + r * rb, w + (ahead + r) * rb, xl, xh, p), xs),
-                                         step_scales(sc + r * ng, gsh, p), acc[r]);
+            acc = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(w, wa, xl, xh, p), xs), step_scales(sc, gsh, p, 16), acc);
         }
     } else {
         const int64_t spg = G / 128;
         for (int64_t gi = 0; gi < ng; gi++) {
-            __m512 gacc[2];
-            for (int r = 0; r < R; r++) gacc[r] = _mm512_setzero_ps();
+            __m512 gacc = _mm512_setzero_ps();
             for (int64_t p = gi * spg; p < (gi + 1) * spg; p++) {
                 const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
                 const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
                 const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-                for (int r = 0; r < R; r++)
-                    gacc[r] = _mm512_fmadd_ps(quad_dot(w + r * rb, w + (ahead + r) * rb, xl, xh, p), xs, gacc[r]);
+                gacc = _mm512_fmadd_ps(quad_dot(w, wa, xl, xh, p), xs, gacc);
             }
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(sc[r * ng + gi]), acc[r]);
+            acc = _mm512_fmadd_ps(gacc, _mm512_set1_ps(sc[16 * gi]), acc);
         }
     }
-    for (int r = 0; r < R; r++) {
-        const float t = K % 128 ? half_step(w + r * rb, a->q, a->s8, nq) * sc[r * ng + ng - 1] : 0.f;
-        y[n + r] = _mm512_reduce_add_ps(acc[r]) + t + zt[r];
-    }
+    const float t = K % 128 ? half_step(w, a->q, a->s8, nq) * sc[16 * (ng - 1)] : 0.f;
+    y[n] = _mm512_reduce_add_ps(acc) + t + zt;
 }
 
-/* Rows [r0, r1), 16 at a time. A chunk's scales and zeros are one cache line per
- * group ([K/g, N, 2]); they are converted up front into per-row scales and zero terms, so
- * the row loop reads only the weights and the activations. */
+/* Rows [r0, r1), 16 at a time. A chunk's scales and zeros are one cache line per group
+ * ([K/g, N, 2]); they are converted up front, 16 rows per vector, into group-major scales and
+ * per-row zero terms, so the row loop reads only the weights and the activations; their lines
+ * are prefetched 2 and 3 chunks ahead (K/g streams the hardware prefetcher does not follow).
+ * One row at a time: the weights are then one sequential stream per thread. Two rows sharing
+ * the activation loads (before) interleaved two streams 1 row apart, which the prefetchers
+ * followed worse: every body product of the 1.7B shape in step order (scratch ctypes script,
+ * not kept; 3 interleaved rounds with a streaming-read probe) 27.6 -> 33.0-34.0 GB/s on one
+ * thread (probe ~41), 34 -> 40 on two (probe ~49). */
 static void rows_int4_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     if (r1 - r0 > 16) {
         for (int64_t c = r0; c < r1; c += 16) rows_int4_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1);
@@ -373,20 +372,22 @@ static void rows_int4_avx512(const sq_linear *L, const sq_act *a, float *y, int6
     }
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, nr = r1 - r0;
     const int64_t ahead = rows_ahead(rb, 8192);
-    float sc[16 * QUAD_MAX_GROUPS], zt[16];
-    for (int64_t i = 0; i < nr; i++) zt[i] = 0.f;
+    float sc[16 * QUAD_MAX_GROUPS] __attribute__((aligned(64))), zt[16];
+    const __mmask16 valid = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000);
+    __m512 ztv = _mm512_setzero_ps();
     for (int64_t gi = 0; gi < ng; gi++) {
         const uint16_t *p = L->sz + 2 * (gi * N + r0);
         if (r0 + 48 < N) _mm_prefetch((const char *)(p + 2 * 32), _MM_HINT_T0);
-        for (int64_t i = 0; i < nr; i++) {
-            const float s = bf(p[2 * i]), z = bf(p[2 * i + 1]);
-            sc[i * ng + gi] = s;
-            zt[i] += z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
-        }
+        if (r0 + 64 < N) _mm_prefetch((const char *)(p + 2 * 48), _MM_HINT_T0);
+        const __m512i v = _mm512_maskz_loadu_epi32(valid, (const void *)p); /* (scale, zero) per row, scale low */
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), z = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+        _mm512_store_ps(sc + 16 * gi, s);
+        ztv = _mm512_add_ps(ztv, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_set1_ps(a->gsum[gi])),
+                                               _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), s), _mm512_set1_ps(a->gqsum[gi]))));
     }
-    int64_t i = 0;
-    for (; i + 2 <= nr; i += 2) int4_rows512(L, a, y, r0 + i, sc + i * ng, zt + i, ahead, 2);
-    for (; i < nr; i++) int4_rows512(L, a, y, r0 + i, sc + i * ng, zt + i, ahead, 1);
+    _mm512_storeu_ps(zt, ztv);
+    for (int64_t i = 0; i < nr; i++) int4_row512(L, a, y, r0 + i, sc + i, zt[i], ahead);
 }
 #endif
 
@@ -454,11 +455,12 @@ static inline __attribute__((always_inline)) void int8_rows512(const sq_linear *
     }
 }
 
+/* one row at a time (one sequential stream per thread, as the int4 rows): a 151936 x 2048 int8
+ * head alone (scratch ctypes script, not kept; 2 threads, 3 interleaved rounds) 56-57 -> 78 GB/s
+ * against two rows sharing the activation loads */
 static void rows_int8_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     const int64_t ahead = rows_ahead(L->k, 8192);
-    int64_t n = r0;
-    for (; n + 2 <= r1; n += 2) int8_rows512(L, a, y, n, ahead, 2);
-    for (; n < r1; n++) int8_rows512(L, a, y, n, ahead, 1);
+    for (int64_t n = r0; n < r1; n++) int8_rows512(L, a, y, n, ahead, 1);
 }
 #endif
 #endif
@@ -779,7 +781,7 @@ static inline __attribute__((always_inline)) void int4_tile512(const sq_linear *
             const __m512i wv = _mm512_loadu_si512((const void *)(L->q + (n + r) * rb + 64 * p));
             lo[r] = _mm512_and_si512(wv, m4);
             hi[r] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-            sv[r] = step_scales(sw + r * ng, gsh, p);
+            sv[r] = step_scales(sw + r * ng, gsh, p, 1);
         }
         for (int t = 0; t < T; t++) {
             const __m512i xl = _mm512_loadu_si512((const void *)(xq[t] + 128 * p));
