@@ -1284,8 +1284,17 @@ static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, i
 }
 
 static void rope(float *v, const uint16_t *cos, const uint16_t *sin, int64_t rot) {
-    int64_t h = rot / 2;
-    for (int64_t i = 0; i < h; i++) {
+    int64_t h = rot / 2, i = 0;
+#ifdef SQ_AVX512
+    for (; i + 16 <= h; i += 16) {
+        const __m512 a = _mm512_loadu_ps(v + i), b = _mm512_loadu_ps(v + i + h);
+#define SQ_BF16X16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+        _mm512_storeu_ps(v + i, _mm512_sub_ps(_mm512_mul_ps(a, SQ_BF16X16(cos + i)), _mm512_mul_ps(b, SQ_BF16X16(sin + i))));
+        _mm512_storeu_ps(v + i + h, _mm512_add_ps(_mm512_mul_ps(b, SQ_BF16X16(cos + i + h)), _mm512_mul_ps(a, SQ_BF16X16(sin + i + h))));
+#undef SQ_BF16X16
+    }
+#endif
+    for (; i < h; i++) {
         float a = v[i], b = v[i + h];
         v[i] = a * bf(cos[i]) - b * bf(sin[i]);
         v[i + h] = b * bf(cos[i + h]) + a * bf(sin[i + h]);
@@ -1344,19 +1353,40 @@ void sq_work_free(void *p) {
 
 /* One token's q/k/v row (q heads, k heads, v heads, contiguous) at position pos: q/k norms and
  * RoPE in place, K and V into the layer's bf16 cache (the decode step and the prefill). */
-static void qk_rope_cache(const sq_model *m, const sq_layer *L, float *q, int64_t pos) {
-    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim;
-    const float *k = q + H * D, *v = k + KV * D;
-    for (int64_t h = 0; h < H + KV; h++) {
-        float *hv = q + h * D; /* q heads then k heads are contiguous */
-        if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
-        rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
+/* n floats -> bf16 (to_bf on 16 lanes where AVX512 is: the same rounding, the same NaN) */
+static inline void to_bf_n(const float *x, uint16_t *out, int64_t n) {
+    int64_t j = 0;
+#ifdef SQ_AVX512
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), absm = _mm512_set1_epi32(0x7fffffff);
+    for (; j + 16 <= n; j += 16) {
+        const __m512i u = _mm512_loadu_si512((const void *)(x + j));
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), _mm512_set1_epi32(0x7f800000));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256((__m256i *)(out + j), _mm512_cvtepi32_epi16(r));
     }
-    for (int64_t h = 0; h < KV; h++)
-        for (int64_t j = 0; j < D; j++) {
-            L->kcache[(h * m->cap + pos) * D + j] = to_bf(k[h * D + j]);
-            L->vcache[(h * m->cap + pos) * D + j] = to_bf(v[h * D + j]);
-        }
+#endif
+    for (; j < n; j++) out[j] = to_bf(x[j]);
+}
+
+/* Head h of one token's q/k/v row (q heads, k heads, v heads, contiguous) at position pos: a
+ * query (h < H) or key head normed and rotated in place; a key head's K and its V row then go
+ * to the layer's bf16 cache. */
+static void qk_rope_head(const sq_model *m, const sq_layer *L, float *q, int64_t pos, int64_t h) {
+    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim;
+    float *hv = q + h * D; /* q heads then k heads are contiguous */
+    if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
+    rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
+    if (h >= H) {
+        const int64_t g = h - H;
+        to_bf_n(hv, L->kcache + (g * m->cap + pos) * D, D);
+        to_bf_n(q + (H + KV + g) * D, L->vcache + (g * m->cap + pos) * D, D);
+    }
+}
+
+/* every head of one token (the prefill; the decode step spreads the heads over its threads) */
+static void qk_rope_cache(const sq_model *m, const sq_layer *L, float *q, int64_t pos) {
+    for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, q, pos, h);
 }
 
 /* x += h (one token's residual stream), h normed first where the layer has a post-norm (gemma) */
@@ -1874,8 +1904,8 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
                 prep(&L->qkv, w->xn, &w->a);
             }
             products(&L->qkv, &w->a, w->qkv);
-#pragma omp single
-            qk_rope_cache(m, L, w->qkv, pos);
+#pragma omp for schedule(static)
+            for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
             attention(m, L, w, pos);
 #pragma omp single
             prep(&L->o, w->att, &w->a);
