@@ -32,7 +32,7 @@ test: setup
 clean:
 	rm -rf $(WORK) $(VENV) build *.egg-info
 
-benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~30 min on 2 cores)
+benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~10 min on 2 cores)
 	$(BIN)/python -m sparkq.cli.benchmarks $(WORK)
 
 quality: setup  ## every --method vs llama.cpp Q4_0/Q4_K_M on the same tokens -> work/QUALITY.md (by hand: ~5 min)
