@@ -1351,8 +1351,6 @@ void sq_work_free(void *p) {
     free(w);
 }
 
-/* One token's q/k/v row (q heads, k heads, v heads, contiguous) at position pos: q/k norms and
- * RoPE in place, K and V into the layer's bf16 cache (the decode step and the prefill). */
 /* n floats -> bf16 (to_bf on 16 lanes where AVX512 is: the same rounding, the same NaN) */
 static inline void to_bf_n(const float *x, uint16_t *out, int64_t n) {
     int64_t j = 0;
@@ -1850,7 +1848,6 @@ static inline __m256 load_bf8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 #endif
-
 
 static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
     int64_t i = 0;
