@@ -249,9 +249,9 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     assert ((last - b32[-1]).abs().max() / (b16[-1] - b32[-1]).abs().max()).item() < 0.9
 
 
-# head_dim 24: the AVX512 prefill's P.V on 16 columns, then 8; 64: the AVX512 decode attention
-# (query and output in registers: head_dim 64, 128 or 256)
-@pytest.mark.parametrize("heads,head_dim", [(4, None), (8, 24), (4, 64)])
+# head_dim 24: the AVX512 prefill's P.V on 16 columns, then 8; 64 and 128: the AVX512 decode
+# attention (query and output in registers: head_dim 64, 128 or 256)
+@pytest.mark.parametrize("heads,head_dim", [(4, None), (8, 24), (4, 64), (2, 128)])
 def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path, heads, head_dim):
     """The native prefill (AVX2: paired GEMM, K = 128, score tiles of 4 keys x 8 queries; AVX512: 16
     queries, P.V on 16 columns: head_dim 32, 30 prompt tokens = two query blocks) on a
