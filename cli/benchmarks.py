@@ -80,6 +80,8 @@ def llama_ggufs(w: Path, example_gguf, log: list[str]) -> list[str]:
 
 def speed_table(res: dict) -> list[str]:
     """The decode/prefill summary: every path of both models beside llama.cpp Q4_0 (same run)."""
+    from sparkq.runtime.bench import paired_ratio
+
     L = ["| model | path | decode tok/s [min..max] | prefill tok/s [min..max] | decode GB/s (% of read ceiling) | "
          "decode vs llama.cpp Q4_0 | prefill vs llama.cpp Q4_0 | load s | peak RSS MiB: load / run (bound) |",
          "|---|---|---|---|---|---|---|---|---|"]
@@ -89,7 +91,7 @@ def speed_table(res: dict) -> list[str]:
         for n, a in r["arms"].items():
             def f(m, fmt):
                 return f"{format(a[m]['median'], fmt)} [{format(a[m]['min'], fmt)}..{format(a[m]['max'], fmt)}]"
-            ratio = (lambda m: f"{a[m]['median'] / base[m]['median']:.2f}x") if base else (lambda m: "-")
+            ratio = (lambda m: f"{paired_ratio(a, base, m):.2f}x") if base else (lambda m: "-")
             path = (a.get("decode_path") or "?") + (f"; prefill {a['prefill_path']}" if a.get("prefill_path") else "")
             L.append(f"| {label} | {n}: {path} | {f('tg_tok_s', '.1f')} | {f('pp_tok_s', '.0f')} | "
                      f"{a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {ratio('tg_tok_s')} | {ratio('pp_tok_s')} | "
@@ -171,8 +173,10 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
                              "products, bf16 and torch SDPA between them); dequant = the torch model with dequantize + "
                              "torch GEMM products (bf16 where the CPU has native bf16, else fp32); torch-int4-kernel = the same "
                              "model packed for torch's `_weight_int4pack_mm_for_cpu`. Decode GB/s = weight bytes read per "
-                             "token x tok/s; the ceiling is a streaming read with the same threads, probed once per "
-                             "pass between the arms (median). Peak RSS: load = through "
+                             "token x tok/s; the ceiling is a streaming read with the same threads, probed right "
+                             "before each arm's run; % of ceiling = the median over passes of a run's GB/s over its "
+                             "own probe. vs llama.cpp = the median over passes of the same-pass ratio (the arms of a "
+                             "pass run back to back). Peak RSS: load = through "
                              "load and a 16-token first answer (median); run = through the pp512 prefill and the decode "
                              "(max over passes); bound = weights file + the arm's KV budget (sized by the bench to "
                              "pp + 8 tokens) + 150 MiB.", "",

@@ -426,7 +426,8 @@ def format_bench(r: dict) -> str:
     lines = [f"sparkq bench: {r['model']}", f"  threads {r['threads']}, OMP_WAIT_POLICY {r['omp_wait_policy']}, "
              f"cpu {r['cpu_capability']}, {r['passes']} interleaved passes, medians [min..max]; "
              f"read ceiling {r['read_ceiling_gb_s']:.1f} GB/s"
-             + (f" [{r['read_ceiling']['min']:.1f}..{r['read_ceiling']['max']:.1f}], one probe per pass" if "read_ceiling" in r else ""),
+             + (f" [{r['read_ceiling']['min']:.1f}..{r['read_ceiling']['max']:.1f}], probed before each arm's run; % ceiling = "
+                "median over passes of a run's GB/s over its own probe; ratios = medians of same-pass ratios" if "read_ceiling" in r else ""),
              "",
              f"  | arm | decode tg{r['tg']} tok/s | prefill pp{r['pp']} tok/s | load s | TTFT s | peak / settled RSS MiB "
              f"| run peak / after RSS MiB (bound) | decode GB/s (% ceiling) | decode vs control | prefill vs control "

@@ -3,8 +3,9 @@
 Every (pass, arm) runs in a fresh child process (``python .../runtime/bench.py '<json>'``),
 so load time and peak RSS are those of a cold start, and arms alternate within each pass
 (control, arm B, ..., control, arm B, ...) so drift on a shared machine hits all of them.
-Reports medians and spread (min..max), ratios to the control arm, a streaming-read
-bandwidth probe with the same threads, and decode bytes per token -> effective GB/s.
+Reports medians and spread (min..max), ratios to the control arm (medians of same-pass
+ratios), a streaming-read bandwidth probe with the same threads right before each run, and
+decode bytes per token -> effective GB/s and its share of that run's probe.
 An optional llama.cpp arm runs through llama-cpp-python when it is installed.
 """
 from __future__ import annotations
@@ -225,6 +226,15 @@ def _summ(vals: list[float]) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
 
 
+def paired_ratio(a: dict, b: dict, metric: str) -> float | None:
+    """Median over passes of arm a's value over arm b's in the same pass (the arms of a pass run
+    back to back, so a drift of the box between passes cancels), or None when b has a zero."""
+    va, vb = a[metric]["values"], b[metric]["values"]
+    if not all(vb):
+        return None
+    return statistics.median(x / y for x, y in zip(va, vb))
+
+
 METRICS = ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib", "run_peak_rss_mib",
            "after_run_rss_mib")
 # issue 6's memory bound: peak RSS through load, prefill and decode <= weights file + KV budget + this
@@ -261,14 +271,19 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         name = "llama.cpp" if len(ggufs) == 1 else f"llama.cpp {os.path.basename(g)}"
         runs.append((name, {"kind": "llama", "model": g, "load": {"threads": threads}}, {}))
     results: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
-    ceilings = []  # one probe per pass, between the arms, so the box's drift hits it as it hits them
+    # a streaming-read probe right before each arm's run (the box's bandwidth drifts within a
+    # pass: one probe per pass set beside arms run minutes apart gave >100% of the "ceiling"), so
+    # each run's decode GB/s is divided by its own probe
+    probes: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for p in range(passes):
         for name, args, env in runs:
             args = {**args, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens}
+            probes[name].append(bandwidth_probe(threads))
+            time.sleep(0.05)  # the probe's OpenMP threads stop spinning before the child starts
             results[name].append(_run_child(args, env))
             if progress:
                 progress(f"pass {p + 1}/{passes} {name}")
-        ceilings.append(bandwidth_probe(threads))
+    ceilings = [c for name, _, _ in runs for c in probes[name]]
     ceiling = statistics.median(ceilings)
     out_arms = {}
     for name, _, env in runs:
@@ -277,7 +292,8 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         bpt = rs[0]["decode_bytes_per_token"]
         a["decode_bytes_per_token"] = bpt
         a["decode_gb_s"] = bpt * a["tg_tok_s"]["median"] / 1e9
-        a["decode_pct_of_ceiling"] = 100 * a["decode_gb_s"] / ceiling
+        a["read_ceiling"] = _summ(probes[name])
+        a["decode_pct_of_ceiling"] = statistics.median(100 * bpt * r["tg_tok_s"] / 1e9 / c for r, c in zip(rs, probes[name]))
         a["env"] = env
         a["decode_path"] = rs[0].get("decode_path", "llama.cpp")
         a["prefill_path"] = rs[0].get("prefill_path")
@@ -288,7 +304,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         out_arms[name] = a
     ctrl = out_arms["control"]
     for a in out_arms.values():
-        a["ratio_to_control"] = {m: a[m]["median"] / ctrl[m]["median"] if ctrl[m]["median"] else None for m in METRICS}
+        a["ratio_to_control"] = {m: paired_ratio(a, ctrl, m) for m in METRICS}
     return {"model": model, "passes": passes, "threads": threads, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"), "read_ceiling_gb_s": ceiling,
             "read_ceiling": _summ(ceilings),

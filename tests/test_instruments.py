@@ -119,7 +119,9 @@ def test_synth_convert_bench(tmp_path):
         w = sum(f.stat().st_size for f in (tmp_path / "q").glob("*.safetensors")) / 2**20
         assert a["rss_bound_mib"] == pytest.approx(w + a["kv_budget_mib"] + 150) and 0 < a["kv_budget_mib"] < 10
     assert r["arms"]["control"]["ratio_to_control"]["tg_tok_s"] == 1.0 and r["read_ceiling_gb_s"] > 0
-    assert len(r["read_ceiling"]["values"]) == r["passes"]  # one probe per pass, the median reported
+    # a probe before each arm's run; each arm's % of ceiling from its own probes
+    assert len(r["read_ceiling"]["values"]) == r["passes"] * len(r["arms"])
+    assert all(len(a["read_ceiling"]["values"]) == r["passes"] for a in r["arms"].values())
     assert r["arms"]["passive"]["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     # prompts through sq_prefill by default; --prefill kernel (prefill_dequant=0) keeps the torch model
     assert r["arms"]["control"]["prefill_path"] == "c", r["arms"]["control"]
@@ -158,3 +160,12 @@ def test_gemmbench_runs(tmp_path):
     assert r["dequant_gops"] > 0 and r["w4a8_gops"] > 0 and r["w4a8_ratio"] > 0
     assert r["dequant_dtype"] in ("float32", "bfloat16")
     assert ("bf16_gops" in r) == bool(kernels.load().sq_prefill_bf16())
+
+
+def test_bench_ratios_pair_the_arms_of_a_pass():
+    """vs control / vs llama.cpp: the median of same-pass ratios, not a ratio of medians (a box
+    that slows down in one pass slows every arm of it)."""
+    from sparkq.runtime.bench import paired_ratio
+    a, b = {"tg": {"values": [10.0, 30.0, 40.0]}}, {"tg": {"values": [5.0, 40.0, 20.0]}}
+    assert paired_ratio(a, b, "tg") == 2.0  # ratios 2, 0.75, 2 (medians: 30 / 20 = 1.5)
+    assert paired_ratio(a, {"tg": {"values": [5.0, 0.0, 20.0]}}, "tg") is None
