@@ -104,6 +104,59 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* ---- shared vector helpers ------------------------------------------------------------ */
+
+#ifdef SQ_AVX2
+/* e^x for x <= 0 (scores minus their max; -g of SiLU is clamped): Cephes' polynomial,
+ * ~2 ulp; below -87.3 the result is 0. exp16 (AVX512) runs the same arithmetic on 16 lanes. */
+static const float EXP_P[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                               4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P[i]));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline __m256 load_bf8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+#ifdef SQ_AVX512
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P[i]));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* the first `left` of 16 lanes (none when left <= 0): a 16-row vector's rows before N, a tail's keys */
+static inline __mmask16 rows_mask(int64_t left) {
+    return left <= 0 ? 0 : left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+}
+#endif
+
 /* ---- activation blocks --------------------------------------------------------------- */
 
 typedef struct {
@@ -377,7 +430,7 @@ static void rows_int4_avx512(const sq_linear *L, const sq_act *a, float *y, int6
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, nr = r1 - r0;
     const int64_t ahead = rows_ahead(rb, 8192);
     float sc[16 * QUAD_MAX_GROUPS] __attribute__((aligned(64))), zt[16];
-    const __mmask16 valid = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
+    const __mmask16 valid = rows_mask(nr);
     const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000);
     __m512 ztv = _mm512_setzero_ps();
     for (int64_t gi = 0; gi < ng; gi++) {
@@ -427,40 +480,35 @@ static __attribute__((unused)) void rows_int8_avx2(const sq_linear *L, const sq_
 #ifdef SQ_AVX512
 /* Int8 rows (natural activation order) with VNNI. vpdpbusd wants unsigned x signed bytes: the
  * weights go in with their sign bit flipped (w + 128) and each product starts from
- * -128 * (the sum of the activations in its lane), computed once per 64 columns for all rows.
+ * -128 * (the sum of the activations in its lane), computed per 64 columns.
  * Lane l of 64 columns p covers columns 4(l % 8).. of block 2p + l / 8: sub-block l % 4. */
-static inline __attribute__((always_inline)) void int8_rows512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
-                                                               int64_t ahead, const int R) {
+static inline __attribute__((always_inline)) void int8_row512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                              int64_t ahead) {
     const int64_t K = L->k;
     const int8_t *w = (const int8_t *)L->q + n * K;
     const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
     const __m512i perm = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
-    __m512 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc = _mm512_setzero_ps();
     int64_t p = 0;
     for (; 64 * p + 64 <= K; p++) {
         const __m512i xv = _mm512_loadu_si512((const void *)(a->q + 64 * p));
         const __m512i corr = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(),
                                                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, xv)), 7);
         const __m512 xs = _mm512_permutexvar_ps(perm, _mm512_castps256_ps512(_mm256_loadu_ps(a->s8 + 8 * p)));
-        for (int r = 0; r < R; r++) {
-            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * K + 64 * p)), flip);
-            _mm_prefetch((const char *)(w + (ahead + r) * K + 64 * p), _MM_HINT_T0);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wv, xv)), xs, acc[r]);
-        }
+        const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64 * p)), flip);
+        _mm_prefetch((const char *)(w + ahead * K + 64 * p), _MM_HINT_T0);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wv, xv)), xs, acc);
     }
-    for (int r = 0; r < R; r++) {
-        float t = 0.f;
-        if (K % 64) { /* the last 32 columns (K % 32 == 0) */
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p));
-            const __m256i corr = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(),
-                                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), xv)), 7);
-            const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + r * K + 64 * p)), _mm256_set1_epi8((char)0x80));
-            t = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, wv, xv)),
-                                    _mm256_broadcast_ps((const __m128 *)(a->s8 + 8 * p))));
-        }
-        y[n + r] = (_mm512_reduce_add_ps(acc[r]) + t) * bf(L->sz[n + r]);
+    float t = 0.f;
+    if (K % 64) { /* the last 32 columns (K % 32 == 0) */
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p));
+        const __m256i corr = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(),
+                             _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), xv)), 7);
+        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 64 * p)), _mm256_set1_epi8((char)0x80));
+        t = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, wv, xv)),
+                                _mm256_broadcast_ps((const __m128 *)(a->s8 + 8 * p))));
     }
+    y[n] = (_mm512_reduce_add_ps(acc) + t) * bf(L->sz[n]);
 }
 
 /* one row at a time (one sequential stream per thread, as the int4 rows): a 151936 x 2048 int8
@@ -468,7 +516,7 @@ static inline __attribute__((always_inline)) void int8_rows512(const sq_linear *
  * against two rows sharing the activation loads */
 static void rows_int8_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     const int64_t ahead = rows_ahead(L->k, 8192);
-    for (int64_t n = r0; n < r1; n++) int8_rows512(L, a, y, n, ahead, 1);
+    for (int64_t n = r0; n < r1; n++) int8_row512(L, a, y, n, ahead);
 }
 #endif
 #endif
@@ -955,11 +1003,6 @@ static inline __m512i bf16_pairs(__m512 a, __m512 b) {
     return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(b, a)); /* [a0..a15 | b0..b15] -> a0 b0 a1 b1 .. */
 }
 
-/* the lanes of a 16-row vector that hold rows, `left` = rows from its first one to N */
-static inline __mmask16 rows_mask(int64_t left) {
-    return left <= 0 ? 0 : left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-}
-
 /* rows [n0, n0 + NBR) of L (rows >= N as zeros) -> wp [K/2][NBR] bf16 pairs */
 static void dequant_pairs(const sq_linear *L, int64_t n0, uint32_t *wp) {
     const int64_t K = L->k, N = L->n, G = L->g, rb = K / 2;
@@ -1296,10 +1339,8 @@ static void rope(float *v, const uint16_t *cos, const uint16_t *sin, int64_t rot
 #ifdef SQ_AVX512
     for (; i + 16 <= h; i += 16) {
         const __m512 a = _mm512_loadu_ps(v + i), b = _mm512_loadu_ps(v + i + h);
-#define SQ_BF16X16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-        _mm512_storeu_ps(v + i, _mm512_sub_ps(_mm512_mul_ps(a, SQ_BF16X16(cos + i)), _mm512_mul_ps(b, SQ_BF16X16(sin + i))));
-        _mm512_storeu_ps(v + i + h, _mm512_add_ps(_mm512_mul_ps(b, SQ_BF16X16(cos + i + h)), _mm512_mul_ps(a, SQ_BF16X16(sin + i + h))));
-#undef SQ_BF16X16
+        _mm512_storeu_ps(v + i, _mm512_sub_ps(_mm512_mul_ps(a, load_bf16x16(cos + i)), _mm512_mul_ps(b, load_bf16x16(sin + i))));
+        _mm512_storeu_ps(v + i + h, _mm512_add_ps(_mm512_mul_ps(b, load_bf16x16(cos + i + h)), _mm512_mul_ps(a, load_bf16x16(sin + i + h))));
     }
 #endif
     for (; i < h; i++) {
@@ -1401,32 +1442,6 @@ static void add_residual(const sq_model *m, const uint16_t *post_norm, float *h,
     for (int64_t i = 0; i < m->hidden; i++) x[i] += h[i];
 }
 
-#ifdef SQ_AVX512
-/* e^x on 16 lanes: exp8's arithmetic (below; the same polynomial, the same clamps) */
-static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
-}
-
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#endif
-
 /* ---- attention for one query token -------------------------------------------------------- */
 
 #ifdef SQ_AVX512
@@ -1448,7 +1463,7 @@ static inline __attribute__((always_inline)) void attention_head512(const float 
     }
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = start; t < end; t += 16) {
-        const __mmask16 k = end - t >= 16 ? 0xffff : (__mmask16)((1u << (end - t)) - 1);
+        const __mmask16 k = rows_mask(end - t);
         const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), _mm512_set1_ps(mx))));
         _mm512_mask_storeu_ps(sc + t, k, e);
         sum = _mm512_add_ps(sum, e);
@@ -1830,32 +1845,6 @@ static void split_rows(const sq_linear *H, sq_work *w, const float *x, float *lo
         logits[w->cand[i]] = split_row_dot(H, w->cand[i], x, w->gsum);
     }
 }
-
-#ifdef SQ_AVX2
-/* e^x for x <= 0 (scores minus their max; -g of SiLU is clamped): Cephes' polynomial,
- * ~2 ulp; below -87.3 the result is 0 */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
-static inline __m256 load_bf8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-#endif
 
 static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
     int64_t i = 0;
