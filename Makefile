@@ -7,7 +7,7 @@ WORK := work
 # held-out text for `make quality` (the default conversion calibrates on the bundled text)
 CORPUS ?= ../shared/corpus/wikitext2-valid.txt
 
-.PHONY: setup demo test clean benchmarks fuzz quality
+.PHONY: setup demo test test-all clean benchmarks fuzz quality
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,10 @@ demo: setup
 	$(BIN)/sparkq inspect $(WORK)/smollm2-135m-int4
 	$(BIN)/sparkq generate $(WORK)/smollm2-135m-int4 "What is the capital of France? Answer in one sentence." --chat --max-new-tokens 48
 
-test: setup
+test: setup  ## every build this CPU runs, the slow cases aside (CI)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-all: setup  ## the whole suite, slow cases included
 	$(BIN)/python -m pytest -q tests
 
 clean:

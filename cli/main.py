@@ -91,7 +91,8 @@ def print_convert_summary(s: dict) -> None:
 def convert(
     source: str = typer.Argument(..., help="HF checkpoint dir, Hub repo id org/name[@revision], or a .gguf file"),
     out: str = typer.Argument(..., help="output artifact directory (must not exist unless --force)"),
-    group_size: int = typer.Option(128, "--group-size", help="int4 group size along K (32, 64, 128, 256)"),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="int4 group size along K (32, 64, 128, 256; "
+                                             "default: the recipe's [quant] group_size, 128 in the built-in recipes)"),
     target: str = typer.Option("rows32", "--target", help="packed layout: rows32 (default: any CPU, read by the C decode core) or native|avx512|avx2|default (torch's int4 kernel on that ISA)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe TOML overriding the built-in one"),
     method: str = typer.Option("auto", "--method", help="auto (gptq when the source has a tokenizer, else clip) | "

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from sparkq.formats import constants as C
-from sparkq.formats.artifact import quantization_config
+from sparkq.formats.artifact import group_fields, quantization_config
 from sparkq.formats.layout import (LAYOUTS, ROWS32, LayoutError, check_shape, dequantize_codes, get_layout, host_layout,
                                    pack_rows)
 from sparkq.formats.procmem import RssSampler
@@ -49,7 +49,7 @@ def sparkq_version() -> str:
 
 @dataclass
 class Options:
-    group_size: int = 128
+    group_size: int | None = None  # None: the recipe's [quant] group_size
     target: str = "rows32"
     recipe: str | None = None
     method: str = "auto"  # auto: gptq when the source has a tokenizer (calibration text to read), else clip
@@ -92,7 +92,7 @@ def plan(source: Source, opts: Options):
         spec = ModelSpec.from_recipe(source.config, recipe)
     except SpecError as e:
         raise ConvertError(str(e)) from None
-    if opts.group_size not in C.GROUP_SIZES:
+    if opts.group_size is not None and opts.group_size not in C.GROUP_SIZES:
         raise ConvertError(f"--group-size {opts.group_size} is not supported; choose one of {C.GROUP_SIZES}")
     if opts.head not in (None, *HEAD_MODES):
         raise ConvertError(f"unknown --head {opts.head!r}; choose {', '.join(HEAD_MODES)}")
@@ -349,7 +349,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     "method": opts.method,
                     **({"calibration": cal_info} if cal_info else {}),
                     "bits": C.BITS,
-                    "group_size": opts.group_size,
+                    **group_fields(linears, opts.group_size or recipe.group_size),
                     "tied": spec.tied,
                     "converter": {"name": "sparkq", "version": sparkq_version()},
                     "source": source.origin,
@@ -357,7 +357,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     "tensors": tensor_meta,
                 }
                 config = dict(source.config)
-                config["quantization_config"] = quantization_config(layout, opts.group_size, opts.method)
+                config["quantization_config"] = quantization_config(layout, opts.method, linears,
+                                                                    opts.group_size or recipe.group_size)
                 (tmp / C.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
                 (tmp / C.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
                 carried = _carry_files(source, tmp)

@@ -42,13 +42,21 @@ def torch_dtypes() -> dict:
             "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
 
 
-def quantization_config(layout: str, group_size: int, method: str) -> dict:
+def group_fields(linears, requested: int) -> dict:
+    """The manifest's (and quantization_config's) top-level group-size fields from the group
+    sizes the linears got (objects with .group_size, None for int8/bf16 linears): see constants.py."""
+    sizes = sorted({lin.group_size for lin in linears if lin.group_size})
+    return {C.KEY_GROUP_SIZE: sizes[0] if len(sizes) == 1 else None, C.KEY_GROUP_SIZES: sizes,
+            C.KEY_GROUP_SIZE_REQUESTED: requested}
+
+
+def quantization_config(layout: str, method: str, linears, requested: int) -> dict:
     return {
         "quant_method": C.QUANT_METHOD,
         "format": C.FORMAT_NAME,
         "format_version": C.FORMAT_VERSION,
         "bits": C.BITS,
-        "group_size": group_size,
+        **group_fields(linears, requested),
         "layout": layout,
         "method": method,
         "weights_file": C.WEIGHTS_FILE,

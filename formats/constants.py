@@ -32,6 +32,13 @@ Tensor names (``L`` is the layer index)::
 A tied embedding is stored once, as ``lm_head``: the runtime gathers and dequantizes
 embedding rows from it.
 
+Group sizes: every int4 linear's manifest entry has its own ``group_size`` (the one that
+applies). At the top level of the manifest and of ``quantization_config``, ``group_size`` is
+the size all int4 linears share, or null when they differ; ``group_sizes`` lists the distinct
+sizes, ascending; ``group_size_requested`` is what ``--group-size`` (default: the recipe's
+``[quant] group_size``) asked for: a linear whose K it does not divide falls back to the
+recipe's ``group_size_fallbacks``.
+
 A *split* int4 linear (``"residual": true`` in the manifest; ``spark-convert --head split``
 makes the head one) adds a second 4-bit plane: ``r[n, k]`` in 0..15, packed like rows32
 whatever the artifact's layout (row-major, byte ``j`` of 32-column block ``b`` =
@@ -51,6 +58,7 @@ MANIFEST_FILE = "sparkq.json"
 CONFIG_FILE = "config.json"
 ALIGNMENT = 64
 GROUP_SIZES = (32, 64, 128, 256)
+KEY_GROUP_SIZE, KEY_GROUP_SIZES, KEY_GROUP_SIZE_REQUESTED = "group_size", "group_sizes", "group_size_requested"
 BITS = 4
 PAD_PREFIX = "_pad."
 

@@ -86,9 +86,9 @@ def _features(d: dict, path: str) -> tuple:
     return tuple(sorted(d.items()))
 
 
-def _head_group_size(v, path: str) -> int | None:
+def _group_size(v, path: str, key: str) -> int | None:
     if v is not None and (type(v) is not int or v not in C.GROUP_SIZES):
-        raise SpecError(f"recipe {path}: head_group_size must be one of {C.GROUP_SIZES}")
+        raise SpecError(f"recipe {path}: [quant] {key} must be one of {C.GROUP_SIZES}; got {v!r}")
     return v
 
 
@@ -107,11 +107,11 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             global_names=dict(d["global"]),
             layer_prefix=d["layer"]["prefix"],
             layer_names={k: v for k, v in d["layer"].items() if k != "prefix"},
-            group_size=int(q.get("group_size", 128)),
+            group_size=_group_size(q.get("group_size", 128), path, "group_size"),
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
             keep_bf16=_roles(q.get("keep_bf16", []), "keep_bf16", path),
             keep_int8=_roles(q.get("keep_int8", []), "keep_int8", path),
-            head_group_size=_head_group_size(q.get("head_group_size"), path),
+            head_group_size=_group_size(q.get("head_group_size"), path, "head_group_size"),
             features=_features(d.get("features", {}), path),
             path=path,
         )

@@ -8,8 +8,13 @@ home directory never runs a binary built for another CPU. The build goes to a te
 and is renamed, so concurrent first runs are safe. No compiler (or a failed build)
 means no fast path: the runtime says so once and uses the torch path.
 
-``SPARKQ_KERNEL=off`` disables the C path, ``=scalar`` builds it without SIMD and ``=exact``
-with fp32 activations (no A8; tests measure the A8 error against it).
+Builds (``BUILDS``): one per instruction set the C core has paths for, ``avx512-bf16``
+(AVX512-VNNI products and the AVX512-BF16 prompt GEMM), ``avx512-vnni`` (the same without the
+bf16 GEMM: prompts through the W4A8 GEMM, as on CPUs with VNNI but no BF16), ``avx2`` and
+``scalar`` (portable C), plus ``exact`` (portable, fp32 activations: no A8; tests measure the
+A8 error against it). ``native``, the default, is the most capable build this CPU runs
+(``host_builds()[0]``), so what a user runs is always one of the builds the tests cover.
+``SPARKQ_KERNEL=<build>`` picks another one this CPU can run; ``=off`` disables the C path.
 """
 from __future__ import annotations
 
@@ -57,8 +62,10 @@ class SqModel(ctypes.Structure):
 
 
 def simd_name(lib: ctypes.CDLL) -> str:
-    """The product kernels a build uses: sq_simd() 3 = AVX512-VNNI, 2 = AVX2, 0 = portable C."""
-    return {3: "avx512-vnni", 2: "avx2"}.get(lib.sq_simd(), "scalar")
+    """The build a library is (load()'s name for it), else its products: sq_simd() 3 =
+    AVX512-VNNI, 2 = AVX2, 0 = portable C."""
+    named = next((v for v, other in _LIBS.items() if other is lib), None)
+    return named or {3: "avx512-vnni", 2: "avx2"}.get(lib.sq_simd(), "scalar")
 
 
 def cache_dir() -> Path:
@@ -83,15 +90,61 @@ def _compiler() -> str | None:
     return None
 
 
+# build -> (compiler flags, the /proc/cpuinfo flags a CPU needs to run it). The SIMD builds
+# start from -march=native and switch off what the build must not use: avx2 on an AVX512 CPU
+# runs exactly the code an AVX2-only CPU gets, avx512-vnni the code of a CPU without BF16.
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+BUILDS = {
+    "avx512-bf16": (["-march=native"], (*_AVX512, "avx512_bf16")),
+    "avx512-vnni": (["-march=native", "-mno-avx512bf16"], _AVX512),
+    "avx2": (["-march=native", "-mno-avx512f"], ("avx2", "fma")),
+    "scalar": (["-DSQ_SCALAR"], ()),
+    "exact": (["-DSQ_SCALAR", "-DSQ_EXACT"], ()),
+}
+OFF = ("off", "0", "torch")  # SPARKQ_KERNEL values that turn the C core off
+ISA_BUILDS = ("avx512-bf16", "avx512-vnni", "avx2", "scalar")  # what users' CPUs run, most capable first
+# what each build's products report (sq_simd(): 3 AVX512-VNNI, 2 AVX2, 0 portable) and whether
+# its prompts take the bf16 GEMM (sq_prefill_bf16())
+EXPECT = {"avx512-bf16": (3, 1), "avx512-vnni": (3, 0), "avx2": (2, 0), "scalar": (0, 0), "exact": (0, 0)}
+
+
+def missing_features(variant: str) -> list[str]:
+    """The CPU flags this machine lacks to run a build (empty: it can run it)."""
+    have = set(_cpu_flags().split())
+    return [f for f in BUILDS[variant][1] if f not in have]
+
+
+def host_builds() -> list[str]:
+    """The ISA builds this CPU can run, most capable first (x86 only; elsewhere: scalar)."""
+    return [b for b in ISA_BUILDS if not missing_features(b)]
+
+
+def resolve_variant(variant: str | None = None) -> str:
+    """The build to use: ``variant``, else $SPARKQ_KERNEL, else the most capable this CPU runs.
+    A build this CPU cannot run, or an unknown name, raises KernelUnavailable."""
+    v = (variant or os.environ.get("SPARKQ_KERNEL", "") or "native").lower()
+    if v in OFF:
+        raise KernelUnavailable(f"SPARKQ_KERNEL={v} turns the C core off")
+    if v == "native":
+        builds = host_builds()
+        # not x86 (no AVX2): -march=native with the portable code (the compiler vectorizes it)
+        return builds[0] if builds[0] != "scalar" else "native"
+    if v not in BUILDS:
+        raise KernelUnavailable(f"SPARKQ_KERNEL={v!r} is not a build; choose native, off or one of {', '.join(BUILDS)}")
+    lacks = missing_features(v)
+    if lacks:
+        raise KernelUnavailable(f"this CPU cannot run the {v} build (it lacks {', '.join(lacks)}); "
+                                f"unset SPARKQ_KERNEL or choose one of {', '.join(host_builds())}")
+    return v
+
+
 def build(variant: str = "native") -> tuple[Path, float]:
     """Compile (or find in the cache) the library; returns (path, seconds spent compiling)."""
     cc = _compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-lm"]
-    # avx2: this CPU without AVX512 (the AVX2 products on an AVX512 machine: tests, bench arms)
-    flags += {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"], "scalar": ["-DSQ_SCALAR"],
-              "exact": ["-DSQ_SCALAR", "-DSQ_EXACT"]}[variant]
+    flags += ["-march=native"] if variant == "native" else BUILDS[variant][0]
     try:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -122,8 +175,8 @@ BUILD_SECONDS: dict[str, float] = {}  # variant -> seconds this process spent co
 
 
 def load(variant: str | None = None) -> ctypes.CDLL:
-    env = os.environ.get("SPARKQ_KERNEL", "")
-    variant = variant or (env if env in ("avx2", "scalar", "exact") else "native")
+    """The library of a build (see resolve_variant), compiled on first use."""
+    variant = resolve_variant(variant)
     if variant in _LIBS:
         return _LIBS[variant]
     path, BUILD_SECONDS[variant] = build(variant)
@@ -156,7 +209,7 @@ def load(variant: str | None = None) -> ctypes.CDLL:
 def try_load() -> ctypes.CDLL | None:
     """The library, or None (with one line on stderr) when the C path is off or cannot be built."""
     global _WARNED
-    if os.environ.get("SPARKQ_KERNEL", "").lower() in ("off", "0", "torch"):
+    if os.environ.get("SPARKQ_KERNEL", "").lower() in OFF:
         return None
     try:
         return load()

@@ -242,7 +242,8 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     try:
         lib = K.load()
     except (K.KernelUnavailable, OSError) as e:
-        raise RuntimeUserError(f"the torch-free runtime needs the C core ({e}); install a C compiler or drop --lite") from None
+        fix = "unset SPARKQ_KERNEL" if os.environ.get("SPARKQ_KERNEL") else "install a C compiler"
+        raise RuntimeUserError(f"the torch-free runtime needs the C core ({e}); {fix} or drop --lite") from None
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, art.spec.max_position)
     m = LiteModel(art, path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib,

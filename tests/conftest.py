@@ -44,3 +44,11 @@ def example_art(example_bf16, tmp_path_factory):
     out = tmp_path_factory.mktemp("example") / "smollm2-int4"
     convert(str(example_bf16), str(out), Options(progress=False, method="minmax", head="int4"))  # fast; int4 head exercises the kernel
     return out
+
+
+@pytest.fixture
+def kernel_build(request, monkeypatch):
+    """The C-core build a test runs on (parametrize it with helpers.kernel_builds()): selected for
+    both runtimes through SPARKQ_KERNEL; returns the build's name."""
+    monkeypatch.setenv("SPARKQ_KERNEL", request.param)
+    return request.param

@@ -108,3 +108,19 @@ def dequant_reference(loaded, dtype=torch.float32):
                 kv_capacity=m.cache.capacity)
     ref.cache.k, ref.cache.v = ref.cache.k.to(dtype), ref.cache.v.to(dtype)
     return ref
+
+
+def kernel_builds(*builds, slow=()):
+    """pytest params over C-core builds (default: every ISA build), ids naming the build; a build
+    this CPU cannot run is a visible skip, never a silent pass; builds in `slow` are marked slow
+    (`make test-all` runs them, `make test` does not). Use with the `kernel_build` fixture
+    (conftest.py), which selects it through SPARKQ_KERNEL for the runtime under test."""
+    import pytest
+    from sparkq.runtime import kernels as K
+
+    out = []
+    for b in builds or K.ISA_BUILDS:
+        lacks = K.missing_features(b)
+        marks = [pytest.mark.skip(reason=f"this CPU cannot run the {b} build (lacks {', '.join(lacks)})")] if lacks else []
+        out.append(pytest.param(b, id=b, marks=marks + ([pytest.mark.slow] if b in slow else [])))
+    return out

@@ -66,6 +66,36 @@ def test_group_size_fallback_and_untied(tiny_untied, tmp_path):
     assert art.linears["layers.0.qkv"].group_size == 64
     assert art.linears["layers.0.down"].group_size == 128
     assert s["group_size_by_role"]["qkv"] == 64 and s["group_size_by_role"]["down"] == 128
+    # the top-level fields say what was applied, never the request alone (64 and 128 here)
+    manifest = json.loads((out / C.MANIFEST_FILE).read_text())
+    qc = json.loads((out / C.CONFIG_FILE).read_text())["quantization_config"]
+    for top in (manifest, qc):
+        assert (top["group_size"], top["group_sizes"], top["group_size_requested"]) == (None, [64, 128], 128), top
+    assert sorted({e["group_size"] for e in manifest["linears"].values() if e["kind"] == "int4"}) == [64, 128]
+
+
+def test_recipe_group_size_takes_effect_and_the_option_overrides_it(tiny_tied, tmp_path):
+    """A recipe's [quant] group_size is the default of --group-size; the option, when given,
+    overrides it; the manifest and config.json record what applied."""
+    text = (Path(__file__).resolve().parents[1] / "recipes" / "llama.toml").read_text()
+    assert "group_size = 128" in text
+    recipe = tmp_path / "g64.toml"
+    recipe.write_text(text.replace("group_size = 128", "group_size = 64"))
+    for extra, want in (([], 64), (["--group-size", "32"], 32)):
+        out = tmp_path / f"o{want}"
+        r = run_cli("spark-convert", tiny_tied, out, "--recipe", recipe, "--method", "minmax", "--head", "int4",
+                    "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        manifest = json.loads((out / C.MANIFEST_FILE).read_text())
+        assert {e["group_size"] for e in manifest["linears"].values()} == {want}
+        qc = json.loads((out / C.CONFIG_FILE).read_text())["quantization_config"]
+        for top in (manifest, qc):
+            assert (top["group_size"], top["group_sizes"], top["group_size_requested"]) == (want, [want], want)
+        assert set(json.loads(r.stdout)["group_sizes"]) == {f"g{want}"}
+    recipe.write_text(text.replace("group_size = 128", "group_size = 48"))
+    r = run_cli("spark-convert", tiny_tied, tmp_path / "bad", "--recipe", recipe)
+    assert r.returncode == 2 and "[quant] group_size must be one of" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
 
 
 def test_n_not_multiple_of_16_stays_bf16(tmp_path):

@@ -2,9 +2,10 @@
 No transformers class exists, so the oracle is an independent float64 forward written here."""
 import json
 
+import pytest
 import torch
 
-from helpers import byte_tokenizer, dequant_reference
+from helpers import byte_tokenizer, dequant_reference, kernel_builds
 from sparkq.convert.pipeline import Options, convert
 from sparkq.runtime import load
 
@@ -85,7 +86,8 @@ def reference_forward(path, ids):
     return x @ w["model.embed_tokens.weight"].T
 
 
-def test_hybrid_runtime_matches_float64_reference(tmp_path):
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_hybrid_runtime_matches_float64_reference(tmp_path, kernel_build):
     src = make_hybrid(tmp_path / "hybrid")
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(5)).tolist()  # > 4x the window
     ref = reference_forward(src, ids)

@@ -1,21 +1,21 @@
-"""The C decode core (runtime/kernels/sq_decode.c) against references.
+"""The C decode core (runtime/kernels/sq_decode.c) against references, on every build this CPU runs.
 
-Four builds of the same source: ``native`` (-march=native: the AVX512-VNNI products and the bf16
-prefill GEMM on an AVX512 machine, the AVX2 ones elsewhere), ``avx2`` (-march=native
--mno-avx512f: the AVX2 products on either), ``scalar`` (portable C) and ``exact`` (portable,
-fp32 activations: no A8). The W4A8 error budget the
-runtime promises: one product's relative error against fp64 on the same weights below 1%
-(activations int8 per 8 columns; measured 0.57-0.65% with an outlier channel, 0.87-1.2% when
-the scales were per 32 columns), a whole model's held-out KL against fp32 compute on the
-same weights below 0.005 (test_runtime.py), logits within 2.5x of bf16 compute's error
-(test_families.py).
+The builds (runtime/kernels.py BUILDS): ``avx512-bf16`` (AVX512-VNNI products, AVX512-BF16
+prompt GEMM), ``avx512-vnni`` (the same, prompts through the W4A8 GEMM), ``avx2``, ``scalar``
+(portable C) and ``exact`` (portable, fp32 activations: no A8). Tests parametrized with
+``kernel_builds()`` run once per ISA build, ids naming it; a build this CPU cannot run is a
+visible skip. The W4A8 error budget the runtime promises: one product's relative error against
+fp64 on the same weights below 1% (activations int8 per 8 columns; measured 0.57-0.65% with an
+outlier channel, 0.87-1.2% when the scales were per 32 columns), a whole model's held-out KL
+against fp32 compute on the same weights below 0.005 (test_runtime.py), logits within 2.5x of
+bf16 compute's error (test_families.py).
 """
 import ctypes
 
 import pytest
 import torch
 
-from helpers import make_llama, run_py
+from helpers import kernel_builds, make_llama, run_py
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats.layout import ROWS32, dequantize_codes, pack_rows
 
@@ -72,28 +72,54 @@ def _run(lib, L, x):
     return y
 
 
+SIMD = [b for b in K_.ISA_BUILDS if b != "scalar"]
+
+
+@pytest.mark.parametrize("build", kernel_builds())
+def test_each_build_is_what_it_names(build):
+    """A build's products and prompt GEMM are the ones its name says (a compiler that ignored a
+    flag would otherwise test one ISA twice and another never), and ``native`` is the most
+    capable build this CPU runs."""
+    lib = _lib(build)
+    assert (lib.sq_simd(), lib.sq_prefill_bf16()) == K_.EXPECT[build]
+    best = K_.host_builds()[0]
+    assert K_.resolve_variant("native") == (best if best != "scalar" else "native")
+
+
+def test_unknown_or_unrunnable_build_is_refused(monkeypatch):
+    monkeypatch.setenv("SPARKQ_KERNEL", "avx9")
+    with pytest.raises(K_.KernelUnavailable, match="not a build; choose native, off or one of"):
+        K_.load()
+    monkeypatch.setattr(K_, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")  # an AVX2-only CPU
+    monkeypatch.setenv("SPARKQ_KERNEL", "avx512-vnni")
+    with pytest.raises(K_.KernelUnavailable, match="cannot run the avx512-vnni build .*lacks avx512f"):
+        K_.load()
+    assert K_.host_builds() == ["avx2", "scalar"] and K_.resolve_variant("native") == "avx2"
+
+
+@pytest.mark.parametrize("build", kernel_builds())
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_products_match_fp64_within_the_a8_budget(case):
+def test_products_match_fp64_within_the_a8_budget(case, build):
     L, w, b, keep = CASES[case]()
     x = torch.randn(L.k, generator=torch.Generator().manual_seed(9))
     x[3] = 25.0  # an outlier channel, as LLM activations have
     ref = w @ x.double() + (b.double() if b is not None else 0)
-    out = {v: _run(_lib(v), L, x).double() for v in ("native", "avx2", "scalar", "exact")}
+    out = {v: _run(_lib(v), L, x).double() for v in {build, "scalar", "exact"}}
     rel = {v: ((y - ref).norm() / ref.norm()).item() for v, y in out.items()}
     assert rel["exact"] < 1e-5, rel
     budget = 1e-5 if case == "bf16" else 0.01  # bf16 linears multiply fp32 activations
-    assert rel["native"] < budget and rel["avx2"] < budget and rel["scalar"] < budget, rel
+    assert rel[build] < budget, rel
     # the SIMD and portable builds do the same integer arithmetic: equal up to float summation order
-    for v in ("native", "avx2"):
-        assert ((out[v] - out["scalar"]).norm() / ref.norm()).item() < 1e-5, (case, v)
+    assert ((out[build] - out["scalar"]).norm() / ref.norm()).item() < 1e-5, (case, build)
 
 
-def test_work_stealing_products_equal_the_static_schedule():
+@pytest.mark.parametrize("build", kernel_builds())
+def test_work_stealing_products_equal_the_static_schedule(build):
     """Decode products split rows by work stealing (each thread's own contiguous range first,
     then the back of the others'): every row written once, by the same code as the static
     schedule, so the outputs are bit-identical for any thread count (3 and 5 threads on this
     2-core machine preempt each other, so blocks really are stolen)."""
-    lib = _lib("native")
+    lib = _lib(build)
     cases = [_int4(4096, 512, 128), _int4(1040, 576, 64), _int8(2000, 256)]
     try:
         for L, w, b, keep in cases:
@@ -113,20 +139,16 @@ def test_work_stealing_products_equal_the_static_schedule():
         lib.sq_set_threads(torch.get_num_threads())
 
 
-def _bf16_gemm_or_skip(lib):
-    if not lib.sq_set_prefill_bf16(1):
-        pytest.skip("this CPU has no AVX512-BF16: prompts use the W4A8 GEMM (tested above)")
-
-
+@pytest.mark.parametrize("build", kernel_builds("avx512-bf16"))
 @pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int4-g64-chunks",
                                   "int4-g256-chunks"])
-def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case):
+def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case, build):
     """From 32 tokens on, AVX512-BF16 CPUs dequantize int4 row blocks to bf16 and multiply with
     vdpbf16ps: equal, up to fp32 summation order, to bf16 activations x bf16-rounded dequantized
     weights in fp64 (measured 5e-8..1e-6 relative), and ~2.5x closer to the fp64 product than
-    the W4A8 GEMM (bf16 rounding of both sides, 2.3e-3, against int8 activations per 8 columns)."""
-    lib = _lib("native")
-    _bf16_gemm_or_skip(lib)
+    the W4A8 GEMM of the avx512-vnni build (bf16 rounding of both sides, 2.3e-3, against int8
+    activations per 8 columns)."""
+    lib, a8lib = _lib(build), _lib("avx512-vnni")
     L, w, b, keep = CASES[case]()
     for M in (32, 37, 64):  # 37: a partial token tile
         X = torch.randn(M, L.k, generator=torch.Generator().manual_seed(M))
@@ -137,26 +159,31 @@ def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case):
         assert ((Y.double() - ref).norm() / ref.norm()).item() < 1e-5
         exact = X.double() @ w.t()
         e_bf16 = ((Y.double() - exact).norm() / exact.norm()).item()
-        lib.sq_set_prefill_bf16(0)
-        try:
-            Y8 = torch.empty(M, L.n)
-            assert lib.sq_linear_batch(ctypes.byref(L), X.data_ptr(), 0, M, Y8.data_ptr(), None) == 0
-        finally:
-            lib.sq_set_prefill_bf16(1)
+        Y8 = torch.empty(M, L.n)
+        assert a8lib.sq_linear_batch(ctypes.byref(L), X.data_ptr(), 0, M, Y8.data_ptr(), None) == 0
         e_a8 = ((Y8.double() - exact).norm() / exact.norm()).item()
         assert e_bf16 < 0.005 and e_bf16 < e_a8, (e_bf16, e_a8)
         Xb = X.bfloat16()  # bf16 in, bf16 out (no fp32 buffer given): the same products, rounded like torch
         Yb = torch.empty(M, L.n, dtype=torch.bfloat16)
         assert lib.sq_linear_batch(ctypes.byref(L), Xb.data_ptr(), 1, M, None, Yb.data_ptr()) == 0
         assert torch.equal(Yb, Y.bfloat16())
+        if M == 64:  # a token's result does not depend on its token tile (other slices of >= 32 tokens)
+            for lo, hi in ((0, 32), (5, 42), (30, 64)):
+                part = torch.empty(hi - lo, L.n)
+                assert lib.sq_linear_batch(ctypes.byref(L), X[lo:hi].contiguous().data_ptr(), 0, hi - lo,
+                                           part.data_ptr(), None) == 0
+                assert torch.equal(part, Y[lo:hi]), (lo, hi)
 
 
 @pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8", "int4-g64-chunks",
                                   "int4-g256-chunks", "int4-g64-many-groups"])
-@pytest.mark.parametrize("variant", ["native", "avx2"])
-def test_batch_equals_single_products_and_dequant(case, variant):
+@pytest.mark.parametrize("build", kernel_builds())
+def test_batch_equals_single_products_and_dequant(case, build):
+    """The prompt GEMM (below 32 tokens: W4A8 on every build) against one product per token, and
+    each token's result independent of the token tile it falls in (13 tokens: tiles and a tail),
+    so a prompt gives the same bits whole or in chunks."""
     L, w, b, keep = CASES[case]()
-    lib = _lib(variant)
+    lib = _lib(build)
     X = torch.randn(13, L.k, generator=torch.Generator().manual_seed(2))  # 13: 4 tiles of 3 tokens + 1
     Y = torch.empty(13, L.n)
     assert lib.sq_linear_batch(ctypes.byref(L), X.data_ptr(), 0, 13, Y.data_ptr(), None) == 0
@@ -174,6 +201,11 @@ def test_batch_equals_single_products_and_dequant(case, variant):
     if b is not None:  # the batch kernel leaves the bias to its caller
         single -= b.float()
     assert torch.allclose(Y, single, rtol=1e-5, atol=1e-5 * single.abs().max().item())
+    for lo, hi in ((0, 1), (1, 4), (4, 11), (11, 13), (12, 13)):  # other tilings of the same tokens
+        part = torch.empty(hi - lo, L.n)
+        assert lib.sq_linear_batch(ctypes.byref(L), X[lo:hi].contiguous().data_ptr(), 0, hi - lo, part.data_ptr(),
+                                   None) == 0
+        assert torch.equal(part, Y[lo:hi]), (lo, hi)
     if L.kind == 0:
         out = torch.empty(L.n - 16, L.k)
         assert lib.sq_dequant_rows(ctypes.byref(L), 16, L.n, out.data_ptr()) == 0
@@ -206,7 +238,7 @@ def test_whole_step_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     from helpers import dequant_reference
 
     q = _gemma3_exact(tmp_path, monkeypatch)
-    assert q.info.extra["decode_path"].startswith("c (scalar"), q.info.extra
+    assert q.info.extra["decode_path"].startswith("c (exact"), q.info.extra
     t = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(1))
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
     b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
@@ -252,11 +284,13 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
 # head_dim 24: the AVX512 prefill's P.V on 16 columns, then 8; 64 and 128: the AVX512 decode
 # attention (query and output in registers: head_dim 64, 128 or 256)
 @pytest.mark.parametrize("heads,head_dim", [(4, None), (8, 24), (4, 64), (2, 128)])
-def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path, heads, head_dim):
-    """The native prefill (AVX2: paired GEMM, K = 128, score tiles of 4 keys x 8 queries; AVX512: 16
-    queries, P.V on 16 columns: head_dim 32, 30 prompt tokens = two query blocks) on a
-    sliding-window model: no further from fp32 compute than the torch prefill, and equal, up
-    to summation order, to decode steps through the same cache."""
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_path, kernel_build, heads, head_dim):
+    """The C prefill (AVX2: paired GEMM in tiles of 4 tokens, score tiles of 4 keys x 8 queries;
+    AVX512: 16 queries, P.V on 16 columns; 30 prompt tokens: below the bf16 GEMM's 32, so W4A8 on
+    every build) on a sliding-window model: no further from fp32 compute than the torch prefill;
+    the same bits whole or in chunks; equal, up to summation order, to decode steps through the
+    same cache."""
     from helpers import dequant_reference
     from sparkq.runtime import load
 
@@ -266,6 +300,7 @@ def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path, heads,
     q = load(str(out), max_model_len=64)
     m = q.model
     assert m.fast.prefill_off is None and m.layer_cfg[0].window == 8
+    assert (m.fast.lib.sq_simd(), m.fast.lib.sq_prefill_bf16()) == K_.EXPECT[kernel_build]
     t = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2))
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
     b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
@@ -283,17 +318,17 @@ def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path, heads,
     assert ec[len(ec) // 2] < 1.6 and ec[-1] < 2.5 and ec[len(ec) // 2] <= et[len(et) // 2], (ec, et)
     assert torch.equal(m.forward(t, 0, last_only=False), c)  # deterministic; the cache holds the C prefill's K/V
     from sparkq.runtime import fastpath
-    # chunks of 7 (the window is 8: later chunks see keys from p0 - 7 on, through the fp32 key copy):
-    # other GEMM tiles, so another summation order; a moved int8 code then carries into every
-    # later position through the cache (measured: median 1.5e-6, max 0.010-0.012; the build before the
-    # 4 x 8 score tiles: 2.6e-7 and 0.009, the same pattern)
+    # chunks of 7 (the window is 8: later chunks see keys from p0 - 7 on, through the fp32 key copy)
+    # and a prompt continued from a later position: every token's products, norms and attention
+    # are computed in the same order whatever its place in a chunk, so the logits are the same
+    # bits (docs/correctness.md: AVX2 token tiles once summed tail tokens in another order, which
+    # moved int8 codes and shifted chunked prompts by 0.4-0.9%)
     old_chunk, fastpath.PREFILL_CHUNK = fastpath.PREFILL_CHUNK, 7
     try:
-        ch = m.forward(t, 0, last_only=False)
-        rel = ((ch - c).abs().amax(-1) / c.abs().amax(-1)).sort().values
-        assert rel[len(rel) // 2] < 1e-4 and rel[-1] < 0.03, rel
+        assert torch.equal(m.forward(t, 0, last_only=False), c)
     finally:
         fastpath.PREFILL_CHUNK = old_chunk
+    assert torch.equal(torch.cat([m.forward(t[:13], 0, last_only=False), m.forward(t[13:], 13, last_only=False)]), c)
     k0, v0 = m.cache.k.clone(), m.cache.v.clone()
     steps = []
     for i in range(len(t)):  # each decode step over the cache the prefill wrote
@@ -312,34 +347,30 @@ def test_prefill_native_agrees_with_torch_path_and_decode_steps(tmp_path, heads,
     assert torch.equal(m.forward(t, 0, last_only=False), c)
 
 
-def test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8(tmp_path):
+@pytest.mark.parametrize("kernel_build", kernel_builds("avx512-bf16"), indirect=True)
+def test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8(tmp_path, kernel_build, monkeypatch):
     """A 48-token prompt on an AVX512-BF16 CPU: every int4 product of the C prefill goes through
     the bf16 GEMM. Against fp32 compute on the same weights it is no further off than the W4A8
-    prefill (the bf16 prefill rounds activations to bf16 instead of int8; measured, in units of
-    bf16 compute's error: median 0.73, max 1.03, against W4A8 1.24 and 1.92), and decode steps over
-    the cache it wrote (W4A8 products) agree within the W4A8 budget (measured: median 1.5%, max
-    2.5% of the largest logit)."""
+    prefill of the avx512-vnni build (the bf16 prefill rounds activations to bf16 instead of int8;
+    measured, in units of bf16 compute's error: median 0.73, max 1.03, against W4A8 1.24 and 1.92),
+    and decode steps over the cache it wrote (W4A8 products) agree within the W4A8 budget
+    (measured: median 1.5%, max 2.5% of the largest logit)."""
     from helpers import dequant_reference
     from sparkq.runtime import load
 
-    lib = _lib("native")
-    _bf16_gemm_or_skip(lib)
     src = make_llama(tmp_path / "m", layers=3)
     out = tmp_path / "m-int4"
     convert(str(src), str(out), Options(progress=False, method="minmax"))
     q = load(str(out), max_model_len=64)
     m = q.model
-    assert m.fast.prefill_off is None
+    assert m.fast.prefill_off is None and m.fast.lib.sq_prefill_bf16()
     t = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3))
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
     b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
     c = m.forward(t, 0, last_only=False)
     k0, v0 = m.cache.k.clone(), m.cache.v.clone()
-    lib.sq_set_prefill_bf16(0)
-    try:
-        a8 = m.forward(t, 0, last_only=False)
-    finally:
-        lib.sq_set_prefill_bf16(1)
+    monkeypatch.setenv("SPARKQ_KERNEL", "avx512-vnni")
+    a8 = load(str(out), max_model_len=64).model.forward(t, 0, last_only=False)
 
     def err(y):  # per position: max error against fp32 compute, in units of bf16 compute's error
         return ((y - b32).abs().amax(-1) / (b16 - b32).abs().amax(-1)).sort().values
@@ -354,17 +385,19 @@ def test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8(tmp_path):
     assert rel[len(rel) // 2] < 0.04 and rel[-1] < 0.1, rel
 
 
-def test_native_and_scalar_steps_agree_and_positions_are_checked(tiny_tied_art, monkeypatch):
+@pytest.mark.parametrize("build", kernel_builds(*SIMD))
+def test_simd_and_scalar_steps_agree_and_positions_are_checked(tiny_tied_art, monkeypatch, build):
     from sparkq.runtime import load
     from sparkq.runtime.errors import RuntimeUserError
 
     models = {}
-    for v in ("native", "scalar"):
+    for v in (build, "scalar"):
         monkeypatch.setenv("SPARKQ_KERNEL", v)
         models[v] = load(str(tiny_tied_art), max_model_len=32).model
         with pytest.raises(RuntimeUserError, match="beyond the KV cache"):
             models[v].forward(torch.tensor([5]), models[v].cache.capacity)
-    nat, sca = models["native"], models["scalar"]
+    nat, sca = models[build], models["scalar"]
+    assert nat.fast.lib.sq_simd() == K_.EXPECT[build][0] and sca.fast.lib.sq_simd() == 0
     ids = torch.tensor([5, 70, 200, 9, 31, 2, 150, 77])
     nat.forward(ids[:2], 0)
     d = []
@@ -415,7 +448,8 @@ def test_package_ships_the_source():
     assert _lib("native").sq_abi() == K_.ABI
 
 
-def test_c_core_matches_the_aten_kernel_on_the_same_codes():
+@pytest.mark.parametrize("build", kernel_builds())
+def test_c_core_matches_the_aten_kernel_on_the_same_codes(build):
     """The same codes packed twice: rows32 through the C core, torch's layout for this CPU
     through `_weight_int4pack_mm_for_cpu` (the fallback, and the reference the issue names).
     Both within the W4A8 budget of fp64, and of each other."""
@@ -430,7 +464,7 @@ def test_c_core_matches_the_aten_kernel_on_the_same_codes():
     aten_packed = torch.from_numpy(pack_rows(codes.numpy(), host_layout(), n)).view(n, k // 2)
     x = torch.randn(k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x[None], aten_packed, g, codes_sz)[0].double()
-    c = _run(_lib("native"), L, x.float()).double()
+    c = _run(_lib(build), L, x.float()).double()
     ref = w @ x.double()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(aten, ref) < 0.01 and rel(c, ref) < 0.02 and rel(c, aten) < 0.02, (rel(aten, ref), rel(c, ref), rel(c, aten))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_llama, run_cli, run_py
+from helpers import kernel_builds, make_llama, run_cli, run_py
 from sparkq.convert.pipeline import Options, convert
 
 K_ = pytest.importorskip("sparkq.runtime.kernels")
@@ -34,8 +34,9 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_lite_matches_the_torch_runtime(arch, tmp_path):
+def test_lite_matches_the_torch_runtime(arch, kernel_build, tmp_path):
     """The same artifact through both runtimes (gemma3: sliding window, q/k norms, sandwich norms,
     embedding scale, GELU, softcap, two RoPE tables; llama: the tied int8 head): the same C calls
     on the same tables, so prompt logits, teacher-forced decode steps and greedy tokens are the
@@ -49,7 +50,7 @@ def test_lite_matches_the_torch_runtime(arch, tmp_path):
     convert(str(src), str(out), Options(progress=False, method="minmax"))
     tq, lm = load(str(out), max_model_len=64), load_lite(str(out), max_model_len=64)
     tm = tq.model
-    assert tm.fast is not None and tm.fast.prefill_off is None
+    assert tm.fast is not None and tm.fast.prefill_off is None and tm.fast.lib is lm.lib
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3))
     pairs = [(lm.prefill(ids.numpy()).copy(), tm.forward(ids, 0, last_only=True)[0])]
     for i, t in enumerate(torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(4)).tolist()):
@@ -115,6 +116,10 @@ def test_lite_errors_and_cli(tiny_tied_art, tmp_path):
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert len(r["token_ids"]) <= 3 and r["stats"]["threads"] >= 1
+    for k in ("off", "avx9"):  # the C core turned off or a build name mistyped: one line, exit 2
+        bad = run_cli("sparkq", "generate", tiny_tied_art, "hi", "--lite", env={"SPARKQ_KERNEL": k})
+        assert bad.returncode == 2 and "unset SPARKQ_KERNEL" in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     bad = run_cli("sparkq", "generate", tiny_tied_art, "hi", "--lite", "--prefill", "dequant")
     assert bad.returncode == 2 and "--prefill" in bad.stderr
     src = make_llama(tmp_path / "n")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import ROOT, host_capabilities, run_cli, run_py
+from helpers import ROOT, host_capabilities, kernel_builds, run_cli, run_py
 from sparkq.runtime import RuntimeUserError, load
 from sparkq.runtime.weights import DenseLinear, Int4Linear
 
@@ -179,18 +179,21 @@ def test_example_paris_chat_and_determinism(example_art):
         assert off.generate(prompt, max_new_tokens=16)["token_ids"] == m.generate(prompt, max_new_tokens=16)["token_ids"]
 
 
-def test_example_prefill_arms_agree(example_art):
+# the portable build takes ~50 s for this test's prompts (the SIMD builds ~5 s): make test-all
+@pytest.mark.parametrize("kernel_build", kernel_builds(slow=("scalar",)), indirect=True)
+def test_example_prefill_arms_agree(example_art, kernel_build):
     """prefill_dequant True (fp32/bf16 GEMM on dequantized blocks above 64 rows), None (auto: the
     C W4A8 GEMM for linears with K >= 384: all of the example's int4 linears) and False (the
     kernel for every row count): the same weights through numerically different paths. All sit close
     to an fp32 reference of the dequantized weights (the W4A8 arms within their stated budget,
-    KL < 0.01), and greedy output on a long prompt is identical."""
+    KL < 0.005), and their greedy outputs on a long prompt part, if at all, only where the
+    reference has the two tokens nearly tied (on this text the second token's top two are
+    0.04 apart: the arms pick either)."""
     from sparkq.formats.layout import dequantize_codes, unpack
     from sparkq.runtime.model import Model
     from sparkq.runtime.weights import KERNEL_MAX_ROWS
-    corpus = ROOT.parent / "shared" / "corpus" / "wikitext2-valid.txt"
-    if not corpus.exists():
-        pytest.skip("../shared/corpus/wikitext2-valid.txt not present")
+    # text the fixture's artifact never saw (minmax: no calibration); only the arithmetic is compared
+    corpus = ROOT / "convert" / "data" / "calibration.txt"
     on, auto = load(str(example_art), prefill_dequant=True), load(str(example_art))
     off = load(str(example_art), prefill_dequant=False)
     lins = auto.model.lin
@@ -200,14 +203,20 @@ def test_example_prefill_arms_agree(example_art):
     assert not any(lin.c_gemm(512) for lin in on.model.lin.values() if isinstance(lin, Int4Linear))
     ids = on.tokenizer.encode(corpus.read_text()[:20000])[:300]
     assert len(ids) > KERNEL_MAX_ROWS  # the dequantizing prefill path is exercised
-    greedy = list(on.stream_ids(ids, max_new_tokens=16))
-    assert list(auto.stream_ids(ids, max_new_tokens=16)) == greedy == list(off.stream_ids(ids, max_new_tokens=16))
     dense = {n: DenseLinear(n, dequantize_codes(unpack(l.qweight, l.layout, l.n, l.k), l.scales_zeros, l.g,
                                                   torch.float32)) for n, l in on.model.lin.items()}
     ref = Model(on.model.spec, dense, {k: v.float() for k, v in on.model.norms.items()}, max_model_len=512,
                 kv_capacity=512)
     ref.cache.k, ref.cache.v = ref.cache.k.float(), ref.cache.v.float()
     lr = ref.forward(torch.tensor(ids), 0, last_only=False).log_softmax(-1)
+    greedy = list(on.stream_ids(ids, max_new_tokens=16))
+    for arm in (auto, off):
+        other = list(arm.stream_ids(ids, max_new_tokens=16))
+        d = next((i for i, (a, b) in enumerate(zip(greedy, other)) if a != b), None)
+        if d is not None:  # the first token where they part: a near-tie in fp32
+            last = ref.forward(torch.tensor(ids + greedy[:d]), 0, last_only=True)[0]
+            gap = (last[greedy[d]] - last[other[d]]).abs().item()
+            assert gap < 0.25, (d, greedy, other, gap)  # logits; the paths differ by ~0.05-0.2
     for arm in (on, auto, off):
         la = arm.logits(ids)
         kl = torch.nn.functional.kl_div(la.log_softmax(-1), lr, log_target=True, reduction="batchmean").item()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_llama
+from helpers import kernel_builds, make_llama
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import dequantize_codes, unpack
@@ -93,7 +93,8 @@ def test_torch_runtime_refines_the_top_logits(split_pair):
                                             m.model.head.scales_zeros, m.model.head.g, torch.float32)[ids])
 
 
-def test_c_core_selects_exactly_the_top_k_and_refines_them(split_pair):
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_c_core_selects_exactly_the_top_k_and_refines_them(split_pair, kernel_build):
     """sq_head with the refinement off gives the first plane's logits (W4A8); with it on,
     exactly the REFINE_SPLIT largest of those change, to the stored weight's fp32 dot."""
     from sparkq.runtime.lite import load
@@ -134,7 +135,8 @@ def _stored_numpy(t, n, k):
     return (q - 8) * s + z + (r - 8) * rs.repeat(g, 1)
 
 
-def test_runtimes_agree_and_decode_reads_one_plane(split_pair):
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_runtimes_agree_and_decode_reads_one_plane(split_pair, kernel_build):
     """Greedy tokens of the torch runtime (C step) and the lite one are the same; the torch-only
     path (no C core) agrees on the first token; bench's bytes per token count the first plane
     in full and the second for the refined rows only."""
