@@ -160,7 +160,7 @@ def verify(artifact: str):
         bad = art.verify(progress=bar.update)
     if bad:
         _fail(f"tensor {bad!r} does not match its sha256 in the manifest: the artifact is corrupt, re-download or re-convert it")
-    typer.echo(f"ok: {len(art.manifest['tensors'])} tensors verified ({_mib(size)})")
+    typer.echo(f"ok: {len(art.manifest.tensors)} tensors verified ({_mib(size)})")
 
 
 @app.command()

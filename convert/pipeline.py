@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from sparkq.formats import constants as C
-from sparkq.formats.artifact import group_fields, quantization_config
+from sparkq.formats.manifest import LinearEntry, Manifest
 from sparkq.formats.layout import (LAYOUTS, ROWS32, LayoutError, check_shape, dequantize_codes, get_layout, host_layout,
                                    pack_rows)
 from sparkq.formats.procmem import RssSampler
-from sparkq.formats.spec import ModelSpec, SpecError, choose_group_size, linear_tensors, recipe_for_config, role_of
+from sparkq.formats.spec import (FEATURES, ModelSpec, SpecError, choose_group_size, linear_tensors, recipe_for_config,
+                                 role_of)
 from sparkq.formats.tensorfile import TensorFileWriter
 from tqdm import tqdm
 
@@ -60,21 +61,6 @@ class Options:
     calib_tokens: int = 8192
 
 
-@dataclass
-class PlannedLinear:
-    name: str
-    n: int
-    k: int
-    group_size: int | None
-    sources: list[str]
-    int8: bool = False
-    residual: bool = False  # split int4: a second 4-bit plane (formats/constants.py)
-
-    @property
-    def kind(self) -> str:
-        return C.KIND_INT8 if self.int8 else C.KIND_INT4 if self.group_size else C.KIND_BF16
-
-
 def _target_layout(target: str) -> str:
     if target == "native":
         try:
@@ -104,7 +90,7 @@ def plan(source: Source, opts: Options):
             if n not in source.shapes:
                 raise ConvertError(f"source has no tensor {n!r} (needed for {module}); the checkpoint is incomplete "
                                    f"or not a {recipe.family} model (override with --recipe FILE)")
-    linears: list[PlannedLinear] = []
+    linears: list[LinearEntry] = []
     shapes = spec.linear_shapes()
     for name, (n, k) in shapes.items():
         parts = srcs[name]
@@ -122,7 +108,8 @@ def plan(source: Source, opts: Options):
             head = "int8"  # no int4 group size for it (N % 16): the recipe's int8
         int8 = head == "int8" or (not head and role in recipe.keep_int8)
         split = head == "split" and g is not None  # (a head with no int4 group size stays bf16, as with int4)
-        linears.append(PlannedLinear(name, n, k, None if int8 else g, parts, int8, split))
+        kind = C.KIND_INT8 if int8 else C.KIND_INT4 if g else C.KIND_BF16
+        linears.append(LinearEntry(name, kind, n, k, None if int8 else g, parts, residual=split))
     vectors = spec.vector_shapes()
     for name, shape in vectors.items():
         got = sum(source.shapes[p][0] for p in srcs[name] if len(source.shapes[p]) == 1)
@@ -132,7 +119,7 @@ def plan(source: Source, opts: Options):
     return recipe, spec, linears, vectors, srcs
 
 
-def _ordered_entries(linears: list[PlannedLinear], vectors: dict, spec: ModelSpec):
+def _ordered_entries(linears: list[LinearEntry], vectors: dict, spec: ModelSpec):
     """(tensor name, dtype, shape) in file order: layer by layer, then globals."""
     by_name = {l.name: l for l in linears}
     order = []
@@ -162,7 +149,7 @@ def _read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0:
     return out[0] if len(out) == 1 else torch.cat(out, 0)
 
 
-def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: PlannedLinear, layout: str,
+def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: LinearEntry, layout: str,
                   method: str, bar, hessian: torch.Tensor | None = None,
                   keep_deq: bool = True) -> tuple[float, torch.Tensor | None]:
     """Quantize, pack and write one linear. With a calibration ``hessian`` (gptq) it also
@@ -328,12 +315,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             w.put(item, v.view(torch.uint8).numpy())
                             bar.update(v.numel() * 2)
                 w.close()
-                lin_meta = {
-                    l.name: {"role": role_of(l.name), "kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size,
-                             "sources": l.sources, "rel_error": round(errors[l.name], 6),
-                             **({"residual": True} if l.residual else {})}
-                    for l in linears
-                }
+                for l in linears:
+                    l.rel_error = errors[l.name]
                 tensor_meta = {}
                 for n, d in w.digests.items():
                     owner, _, part = n.rpartition(".")
@@ -341,25 +324,14 @@ def convert(src: str, out: str, opts: Options) -> dict:
                         tensor_meta[n] = {"sha256": d, "role": f"{role_of(owner)}.{part}", "linear": owner}
                     else:
                         tensor_meta[n] = {"sha256": d, "role": part if part == "bias" else "norm", "sources": srcs[n]}
-                manifest = {
-                    "format": C.FORMAT_NAME,
-                    "format_version": C.FORMAT_VERSION,
-                    "layout": layout,
-                    "family": recipe.family,
-                    "method": opts.method,
-                    **({"calibration": cal_info} if cal_info else {}),
-                    "bits": C.BITS,
-                    **group_fields(linears, opts.group_size or recipe.group_size),
-                    "tied": spec.tied,
-                    "converter": {"name": "sparkq", "version": sparkq_version()},
-                    "source": source.origin,
-                    "linears": lin_meta,
-                    "tensors": tensor_meta,
-                }
+                manifest = Manifest(layout, recipe.family, opts.method, spec.tied, by_name, tensor_meta,
+                                    features={k: recipe.feature(k) for k in FEATURES},
+                                    recipe=Path(opts.recipe).name if opts.recipe else recipe.family,
+                                    group_size_requested=opts.group_size or recipe.group_size, calibration=cal_info or None,
+                                    source=source.origin, converter={"name": "sparkq", "version": sparkq_version()})
                 config = dict(source.config)
-                config["quantization_config"] = quantization_config(layout, opts.method, linears,
-                                                                    opts.group_size or recipe.group_size)
-                (tmp / C.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+                config["quantization_config"] = manifest.quantization_config()
+                (tmp / C.MANIFEST_FILE).write_text(manifest.dumps())
                 (tmp / C.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
                 carried = _carry_files(source, tmp)
                 art_bytes = (tmp / C.WEIGHTS_FILE).stat().st_size

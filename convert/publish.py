@@ -65,7 +65,7 @@ def model_card(art: Artifact, repo_id: str, variants: list[str], base_model: str
     from huggingface_hub import ModelCard, ModelCardData
 
     s = art.summary()
-    src = art.manifest.get("source") or {}
+    src = art.manifest.source or {}
     base = base_model or (src.get("id") if src.get("kind") == "hub" else None)
     data = ModelCardData(
         base_model=base, base_model_relation="quantized" if base else None, library_name="sparkq",
@@ -84,8 +84,8 @@ def model_card(art: Artifact, repo_id: str, variants: list[str], base_model: str
         f"| bits per weight | {s['bits_per_weight']:.3f} overall, {s['bits_per_weight_linears']:.3f} quantized linears |",
         f"| weights file | {s['weights_file_bytes'] / 2**20:.1f} MiB |",
         f"| tied embedding | {'stored once' if s['tied_embeddings'] else 'no'} |",
-        f"| method | {s['method']}{_calibration(art.manifest.get('calibration'))} |",
-        f"| converter | sparkq {art.manifest.get('converter', {}).get('version')} (format {s['format_version']}) |", "",
+        f"| method | {s['method']}{_calibration(art.manifest.calibration)} |",
+        f"| converter | sparkq {(art.manifest.converter or {}).get('version')} (format {s['format_version']}) |", "",
     ]
     tables = _measured_tables(_measured(art.path))
     body += (["## Measured for this artifact", ""] + tables) if tables else \
@@ -106,7 +106,7 @@ def upload(artifact: str, repo_id: str, *, private: bool = False, revision: str 
         raise ConvertError(f"{artifact}: a tensor does not match its digest; run `sparkq verify` and re-convert before uploading")
     api = HfApi()
     layout = art.layout
-    src = art.manifest.get("source") or {}
+    src = art.manifest.source or {}
     source = f"{src.get('id')}@{src['revision']}" if src.get("revision") else str(src.get("id"))
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -124,7 +124,7 @@ def upload(artifact: str, repo_id: str, *, private: bool = False, revision: str 
         card = model_card(art, repo_id, variants, base_model)
         ops.append(CommitOperationAdd("README.md", str(card).encode()))
         msg = (f"sparkq {sparkq_version()}: {layout} int4 artifact of {source} "
-               f"(format {C.FORMAT_VERSION}, method {art.manifest.get('method')})")
+               f"(format {C.FORMAT_VERSION}, method {art.manifest.method})")
         info = api.create_commit(repo_id, operations=ops, commit_message=msg, revision=revision)
     except Exception as e:  # the client raises HTTP, connection (httpx) and validation errors alike
         first = (str(e).strip().splitlines() or [""])[0]

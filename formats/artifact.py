@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used
 
 from . import constants as C
 from .layout import LAYOUTS
+from .manifest import LinearEntry, Manifest, ManifestError
 from .spec import ModelSpec, SpecError, builtin_recipes, linear_tensors
 from .tensorfile import TensorFileError, TensorInfo, read_header
 
@@ -42,44 +43,6 @@ def torch_dtypes() -> dict:
             "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
 
 
-def group_fields(linears, requested: int) -> dict:
-    """The manifest's (and quantization_config's) top-level group-size fields from the group
-    sizes the linears got (objects with .group_size, None for int8/bf16 linears): see constants.py."""
-    sizes = sorted({lin.group_size for lin in linears if lin.group_size})
-    return {C.KEY_GROUP_SIZE: sizes[0] if len(sizes) == 1 else None, C.KEY_GROUP_SIZES: sizes,
-            C.KEY_GROUP_SIZE_REQUESTED: requested}
-
-
-def quantization_config(layout: str, method: str, linears, requested: int) -> dict:
-    return {
-        "quant_method": C.QUANT_METHOD,
-        "format": C.FORMAT_NAME,
-        "format_version": C.FORMAT_VERSION,
-        "bits": C.BITS,
-        **group_fields(linears, requested),
-        "layout": layout,
-        "method": method,
-        "weights_file": C.WEIGHTS_FILE,
-        "note": "sparkq int4 artifact: load with sparkq.runtime.load(), not transformers",
-    }
-
-
-@dataclass
-class LinearEntry:
-    name: str
-    kind: str
-    n: int
-    k: int
-    group_size: int | None
-    sources: list
-    rel_error: float | None
-    residual: bool = False  # a split int4 linear's second plane (constants.py)
-
-    @property
-    def role(self) -> str:
-        return self.name.rsplit(".", 1)[-1]
-
-
 def _load_json(path: Path, what: str) -> dict:
     try:
         with open(path, "rb") as f:
@@ -93,35 +56,8 @@ def _load_json(path: Path, what: str) -> dict:
     return d
 
 
-def _check_manifest_types(path: Path, m: dict) -> None:
-    """Types of every manifest field we read, before any of them is used."""
-    def bad(field, want):
-        raise ArtifactError(f"{path}/{C.MANIFEST_FILE}: field {field!r} must be {want}; the artifact is corrupt, re-convert")
-
-    for key, typ, want in (("format", str, "a string"), ("layout", str, "a string"), ("family", str, "a string"),
-                           ("method", str, "a string"), ("linears", dict, "an object"), ("tensors", dict, "an object")):
-        if not isinstance(m.get(key), typ):
-            bad(key, want)
-    if type(m.get("format_version")) is not int:
-        bad("format_version", "an integer")
-    if type(m.get("tied")) is not bool:
-        bad("tied", "true or false")
-    if "source" in m and not isinstance(m["source"], dict):
-        bad("source", "an object")
-    for name, e in m["linears"].items():
-        if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_INT8, C.KIND_BF16) \
-                or type(e.get("n")) is not int or type(e.get("k")) is not int \
-                or not (e.get("group_size") is None or type(e.get("group_size")) is int) \
-                or not isinstance(e.get("sources", []), list) or type(e.get("residual", False)) is not bool:
-            bad(f"linears.{name}", "{kind: int4|int8|bf16, n: int, k: int, group_size: int|null, sources: list, "
-                                   "residual: bool (optional)}")
-    for name, e in m["tensors"].items():
-        if not isinstance(e, dict) or not isinstance(e.get("sha256"), str):
-            bad(f"tensors.{name}", "{sha256: string}")
-
-
 class Artifact:
-    def __init__(self, path: Path, config: dict, manifest: dict, infos: dict[str, TensorInfo],
+    def __init__(self, path: Path, config: dict, manifest: Manifest, infos: dict[str, TensorInfo],
                  spec: ModelSpec, linears: dict[str, LinearEntry]):
         self.path = path
         self.config = config
@@ -129,7 +65,7 @@ class Artifact:
         self.infos = infos
         self.spec = spec
         self.linears = linears
-        self.layout: str = manifest["layout"]
+        self.layout: str = manifest.layout
         self.weights_path = path / C.WEIGHTS_FILE
 
     # ---------------------------------------------------------------- open/validate
@@ -142,18 +78,19 @@ class Artifact:
             hint = " (this looks like a plain HF checkpoint: convert it with spark-convert)" if (path / "config.json").exists() else ""
             raise ArtifactError(f"{path}: no {C.MANIFEST_FILE}, not a sparkq artifact{hint}")
         config = _load_json(path / C.CONFIG_FILE, "the artifact is incomplete, re-convert it")
-        manifest = _load_json(path / C.MANIFEST_FILE, "the artifact is incomplete, re-convert it")
-        m = manifest
-        _check_manifest_types(path, m)
-        if m.get("format") != C.FORMAT_NAME:
-            raise ArtifactError(f"{path}: manifest format is {m.get('format')!r}, expected {C.FORMAT_NAME!r}")
-        if m.get("format_version") != C.FORMAT_VERSION:
-            raise ArtifactError(f"{path}: format version {m.get('format_version')!r} is not supported by this sparkq "
+        try:
+            m = Manifest.from_json(_load_json(path / C.MANIFEST_FILE, "the artifact is incomplete, re-convert it"))
+        except ManifestError as e:
+            raise ArtifactError(f"{path}/{C.MANIFEST_FILE}: {e}; the artifact is corrupt, re-convert") from None
+        if m.format != C.FORMAT_NAME:
+            raise ArtifactError(f"{path}: manifest format is {m.format!r}, expected {C.FORMAT_NAME!r}")
+        if m.format_version != C.FORMAT_VERSION:
+            raise ArtifactError(f"{path}: format version {m.format_version!r} is not supported by this sparkq "
                                 f"(reads version {C.FORMAT_VERSION}); upgrade sparkq or re-convert")
-        if m["layout"] not in LAYOUTS:
-            raise ArtifactError(f"{path}: unknown packed layout {m.get('layout')!r}; known: {', '.join(LAYOUTS)}")
+        if m.layout not in LAYOUTS:
+            raise ArtifactError(f"{path}: unknown packed layout {m.layout!r}; known: {', '.join(LAYOUTS)}")
         qc = config.get("quantization_config")
-        if not isinstance(qc, dict) or qc.get("quant_method") != C.QUANT_METHOD or qc.get("layout") != m["layout"]:
+        if not isinstance(qc, dict) or qc.get("quant_method") != C.QUANT_METHOD or qc.get("layout") != m.layout:
             raise ArtifactError(f"{path}: config.json quantization_config does not match the manifest; the artifact is inconsistent, re-convert it")
         wpath = path / C.WEIGHTS_FILE
         if not wpath.exists():
@@ -162,47 +99,47 @@ class Artifact:
             infos, meta = read_header(str(wpath))
         except TensorFileError as e:
             raise ArtifactError(str(e)) from None
-        if meta.get("format") != C.FORMAT_NAME or meta.get("layout") != m["layout"] or meta.get("format_version") != str(C.FORMAT_VERSION):
+        if meta.get("format") != C.FORMAT_NAME or meta.get("layout") != m.layout or meta.get("format_version") != str(C.FORMAT_VERSION):
             raise ArtifactError(f"{wpath}: header metadata {meta} does not match the manifest; re-convert")
         try:
-            spec = ModelSpec.from_recipe(config, builtin_recipes()[m.get("family", "llama")])
+            if m.features is not None:  # the artifact describes itself
+                spec = ModelSpec.from_config(config, m.family, **m.features)
+            else:  # written before features were stored: the built-in recipe of its family
+                spec = ModelSpec.from_recipe(config, builtin_recipes()[m.family])
         except SpecError as e:
             raise ArtifactError(f"{path}/config.json: {e}") from None
         except KeyError:
-            raise ArtifactError(f"{path}: family {m.get('family')!r} is not known to this sparkq; upgrade sparkq") from None
-        if bool(m.get("tied")) != spec.tied:
-            raise ArtifactError(f"{path}: manifest says tied={m.get('tied')} but config.json says tie_word_embeddings={spec.tied}")
+            raise ArtifactError(f"{path}: family {m.family!r} is not known to this sparkq; upgrade sparkq or "
+                                "re-convert (artifacts from a newer converter describe their features)") from None
+        except TypeError as e:
+            raise ArtifactError(f"{path}/{C.MANIFEST_FILE}: bad features ({e}); re-convert") from None
+        if m.tied != spec.tied:
+            raise ArtifactError(f"{path}: manifest says tied={m.tied} but config.json says tie_word_embeddings={spec.tied}")
         linears = cls._validate_tensors(path, m, infos, spec)
-        return cls(path, config, manifest, infos, spec, linears)
+        return cls(path, config, m, infos, spec, linears)
 
     @staticmethod
-    def _validate_tensors(path: Path, m: dict, infos: dict[str, TensorInfo], spec: ModelSpec) -> dict[str, LinearEntry]:
-        lin_meta = m.get("linears")
-        tens_meta = m.get("tensors")
-        if not isinstance(lin_meta, dict) or not isinstance(tens_meta, dict):
-            raise ArtifactError(f"{path}: manifest lacks 'linears'/'tensors' objects; re-convert")
-        if len(lin_meta) != len(spec.linear_shapes()):
-            raise ArtifactError(f"{path}: the manifest lists {len(lin_meta)} linears but config.json implies "
+    def _validate_tensors(path: Path, m: Manifest, infos: dict[str, TensorInfo], spec: ModelSpec) -> dict[str, LinearEntry]:
+        tens_meta = m.tensors
+        if len(m.linears) != len(spec.linear_shapes()):
+            raise ArtifactError(f"{path}: the manifest lists {len(m.linears)} linears but config.json implies "
                                 f"{len(spec.linear_shapes())}; config and weights disagree, re-convert")
         expected: dict[str, tuple[str, tuple]] = {}
         linears = {}
         for name, (n, k) in spec.linear_shapes().items():
-            e = lin_meta.get(name)
-            if not isinstance(e, dict):
+            e = m.linears.get(name)
+            if e is None:
                 raise ArtifactError(f"{path}: linear {name!r} missing from the manifest (config needs it); re-convert")
-            kind, g = e.get("kind"), e.get("group_size")
-            if kind == C.KIND_INT4 and (type(g) is not int or g not in C.GROUP_SIZES or k % g):
+            g = e.group_size
+            if e.kind == C.KIND_INT4 and (g not in C.GROUP_SIZES or k % g):
                 raise ArtifactError(f"{path}: linear {name!r} has group size {g!r}, which does not divide K={k} or is not one of {C.GROUP_SIZES}")
-            if (e.get("n"), e.get("k")) != (n, k):
-                raise ArtifactError(f"{path}: linear {name!r} is {e.get('n')}x{e.get('k')} in the manifest but the config needs {n}x{k}")
-            res = e.get("residual", False)
+            if (e.n, e.k) != (n, k):
+                raise ArtifactError(f"{path}: linear {name!r} is {e.n}x{e.k} in the manifest but the config needs {n}x{k}")
             try:
-                expected.update(linear_tensors(name, kind, n, k, g, res))
+                expected.update(linear_tensors(name, e.kind, n, k, g, e.residual))
             except SpecError as err:
                 raise ArtifactError(f"{path}: {err}") from None
-            rel = e.get("rel_error")
-            linears[name] = LinearEntry(name, kind, n, k, g if kind == C.KIND_INT4 else None,
-                                        list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None, res)
+            linears[name] = e
         for name, shape in spec.vector_shapes().items():
             expected[name] = (C.DTYPE_BF16, shape)
         for name, (dtype, shape) in expected.items():
@@ -275,7 +212,7 @@ class Artifact:
 
     def verify(self, progress=None) -> str | None:
         """Recompute every tensor digest; returns the first mismatching tensor name or None."""
-        expected = self.manifest["tensors"]
+        expected = self.manifest.tensors
         with open(self.weights_path, "rb") as f:
             for name, t in sorted(self.infos.items(), key=lambda kv: kv[1].start):
                 if name.startswith(C.PAD_PREFIX):
@@ -315,12 +252,12 @@ class Artifact:
         params = q_params + sum(s[0] for s in vectors.values())
         return {
             "path": str(self.path),
-            "format_version": self.manifest["format_version"],
+            "format_version": self.manifest.format_version,
             "layout": self.layout,
-            "method": self.manifest.get("method"),
+            "method": self.manifest.method,
             "family": self.spec.family,
             "tied_embeddings": self.spec.tied,
-            "source": self.manifest.get("source"),
+            "source": self.manifest.source,
             "group_sizes": groups,
             "bytes_by_role": roles,
             "weights_file_bytes": total,

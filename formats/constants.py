@@ -58,7 +58,6 @@ MANIFEST_FILE = "sparkq.json"
 CONFIG_FILE = "config.json"
 ALIGNMENT = 64
 GROUP_SIZES = (32, 64, 128, 256)
-KEY_GROUP_SIZE, KEY_GROUP_SIZES, KEY_GROUP_SIZE_REQUESTED = "group_size", "group_sizes", "group_size_requested"
 BITS = 4
 PAD_PREFIX = "_pad."
 

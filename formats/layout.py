@@ -22,7 +22,7 @@ the CPU capability torch dispatches to (``torch.backends.cpu.get_cpu_capability(
 so bytes packed for one capability are silent garbage under another: every artifact
 names its layout and readers check it against the host.
 
-``rows32`` is sparkq's own layout, read by the C decode core (runtime/kernels/sq_decode.c)
+``rows32`` is sparkq's own layout, read by the C decode core (runtime/core/csrc)
 and by no torch kernel: row-major (row ``n`` at byte ``n * K/2``), each row cut into
 32-column blocks of 16 bytes, byte ``j`` of block ``b`` = ``q[32b+j] | q[32b+j+16] << 4``
 (``q`` is the row's codes). A block's low nibbles are columns 0..15 and its high

@@ -16,6 +16,7 @@ from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_T
 from .errors import RuntimeUserError
 from .generate import Generator
 from .model import Model
+from .options import LabOptions
 from .tokenizer import ChatTokenizer
 from .weights import DenseLinear, Scratch, linears_from_artifact
 
@@ -87,42 +88,42 @@ def _load_bf16_checkpoint(path: Path):
     return config, spec, linears, norms
 
 
-def _attach_fast(model: Model, enabled: bool) -> str:
-    """Attach the C decode step when it applies; returns the decode path's name for LoadInfo."""
-    from . import fastpath, kernels
+def _attach_fast(model: Model, lab: LabOptions) -> str:
+    """Attach the C core when it applies; returns the decode path's name for LoadInfo."""
+    from . import core, fastpath
 
-    if not enabled:
+    if not lab.c_decode:
         return "torch (c_decode off)"
     why = fastpath.supported(model)
     if why:
         return f"torch ({why})"
-    lib = kernels.try_load()
+    lib = core.try_load()
     if lib is None:
         return "torch (C decode core unavailable)"
-    model.fast = fastpath.FastDecoder(model, lib, torch.get_num_threads())
+    model.fast = fastpath.session(model, lib, torch.get_num_threads())
+    model.prefill_off = fastpath.prefill_supported(model, lib)
+    model.c_prefill = lab.c_prefill
     fastpath.attach_linears(model, lib)
-    built = sum(kernels.BUILD_SECONDS.values())
-    return (f"c ({kernels.simd_name(lib)}, {torch.get_num_threads()} threads"
+    built = sum(core.BUILD_SECONDS.values())
+    return (f"c ({core.build_name(lib)}, {torch.get_num_threads()} threads"
             + (f", compiled in {built:.1f} s" if built else "") + ")")
 
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, prefill_dequant: bool | None = None, verify: bool = False,
-         rope_len_from_config: bool = False, c_decode: bool = True, c_prefill: bool = True) -> "LoadedModel":
-    """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference).
+         lab: LabOptions | None = None) -> "LoadedModel":
+    """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference) on the torch runtime.
 
     ``max_model_len`` defaults to min(2048, the model's max_position_embeddings); the KV
-    cache holds min(max_model_len, kv_budget_mib / bytes per token) tokens.
-    ``rope_len_from_config`` is the deliberately bad A/B arm of ``sparkq memory``: RoPE
-    tables sized from max_position_embeddings, as other runtimes do.
-    ``c_decode`` runs decode steps through the C core (runtime/fastpath.py) when the
-    model allows it (rows32, int8 or bf16 linears) and a C compiler is present.
-    ``c_prefill`` runs prompts through the C core too (``sq_prefill``) where the C decode path
-    applies, prefill_dequant is auto and every layer linear has a W4A8 GEMM; else the torch model.
-    ``prefill_dequant`` picks the prefill product of int4 linears above 64 rows: None (auto) the
-    C core's W4A8 GEMM where it applies and pays (rows32, K >= 384, K and group multiples of 64), else dequantize +
-    dense GEMM; True always dequantize (weights x fp32 activations, no A8); False always the kernel.
+    cache holds min(max_model_len, kv_budget_mib / bytes per token) tokens. Decode steps, and
+    prompts where every layer linear has a C prompt GEMM, go through the C core (rows32, int8 or
+    bf16 linears, a C compiler present). ``prefill_dequant`` (``--prefill``) picks the prompt
+    product of int4 linears otherwise: None (auto) the C core's W4A8 GEMM where it applies and pays
+    (rows32, K >= 384, K and group multiples of 64), else dequantize + dense GEMM; True always
+    dequantize (weights x fp32 activations, no A8); False always the kernel. ``lab``: comparison
+    arms (runtime/options.py).
     """
+    lab = lab or LabOptions()
     t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(int(threads))
@@ -151,12 +152,11 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, spec.max_position)
     cap = kv_capacity(spec, max_model_len, kv_budget_mib)
     model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap,
-                  rope_len=spec.max_position if rope_len_from_config else None)
+                  rope_len=spec.max_position if lab.rope_len_from_config else None)
     extra = {"hub": hub} if hub else {}
-    extra["decode_path"] = _attach_fast(model, c_decode)
-    model.c_prefill = c_prefill
-    extra["prefill_path"] = "c" if model.fast is not None and c_prefill and model.fast.prefill_off is None else \
-        "torch" + (f" ({model.fast.prefill_off})" if model.fast is not None and c_prefill else "")
+    extra["decode_path"] = _attach_fast(model, lab)
+    extra["prefill_path"] = "c" if model.fast is not None and lab.c_prefill and model.prefill_off is None else \
+        "torch" + (f" ({model.prefill_off})" if model.fast is not None and lab.c_prefill else "")
     extra["malloc_mmap_threshold"] = MALLOC_MMAP_THRESHOLD if fixed else None
     tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
     info = LoadInfo(str(path_or_repo_id), kind, layout, time.perf_counter() - t0, cap, model.cache.nbytes,
@@ -166,13 +166,25 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
 
 class LoadedModel(Generator):
     def __init__(self, model: Model, tokenizer: "ChatTokenizer", info: LoadInfo, tensors):
-        super().__init__(model, tokenizer)
+        super().__init__(tokenizer)
+        self.model = model
         self.info = info
         self.tensors = tensors  # the mapped views (None for bf16 checkpoints)
+        self._tok = torch.empty(1, dtype=torch.int64)
 
     @property
     def capacity(self) -> int:
         return self.model.capacity
+
+    def check_fits(self, total_tokens: int) -> None:
+        self.model.check_fits(total_tokens)
+
+    def first_logits(self, ids: list[int]):
+        return self.model.forward(torch.tensor(ids, dtype=torch.int64), 0, last_only=True)[-1].float().numpy()
+
+    def next_logits(self, token: int, pos: int):
+        self._tok[0] = token
+        return self.model.forward(self._tok, pos, last_only=True)[-1].float().numpy()
 
     def logits(self, token_ids) -> torch.Tensor:
         return self.model.logits(token_ids)

@@ -25,6 +25,7 @@ def _auto_bool(v: str) -> bool | None:
     return None if v.lower() == "auto" else _bool(v)
 
 
+# load() options and LabOptions fields (runtime/options.py) an arm may set
 LOAD_KEYS = {"prefill_dequant": _auto_bool, "c_decode": _bool, "c_prefill": _bool, "lite": _bool, "threads": int,
              "kv_budget_mib": float, "max_model_len": int}
 
@@ -91,9 +92,13 @@ def _child_sparkq(a: dict) -> dict:
     from sparkq.formats.procmem import RssSampler
     from sparkq.runtime import load
 
+    from sparkq.runtime.options import LabOptions
+
+    kw = dict(a["load"])
+    lab = LabOptions(**{k: kw.pop(k) for k in LabOptions.keys() if k in kw})
     t0 = time.perf_counter()
     with RssSampler(0.002) as s:
-        m = load(a["model"], **a["load"])
+        m = load(a["model"], lab=lab, **kw)
         load_s = time.perf_counter() - t0
         vocab = m.model.spec.vocab
         g = torch.Generator().manual_seed(0)

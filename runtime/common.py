@@ -96,6 +96,16 @@ def fix_malloc_mmap_threshold() -> bool:
     return bool(mallopt(-3, MALLOC_MMAP_THRESHOLD))  # -3 = M_MMAP_THRESHOLD
 
 
+def check_fits(total_tokens: int, max_model_len: int, kv_capacity: int) -> None:
+    """A request of total_tokens (prompt + generation) must fit min(max_model_len, the KV cache)."""
+    capacity = min(kv_capacity, max_model_len)
+    if total_tokens > capacity:
+        which = ("max_model_len", "--max-model-len") if max_model_len <= kv_capacity else ("KV budget", "--kv-budget-mib")
+        raise RuntimeUserError(
+            f"{total_tokens} tokens (prompt + generation) exceed the {which[0]} capacity of {capacity} tokens; "
+            f"shorten the prompt, lower --max-new-tokens, or raise {which[1]}")
+
+
 def check_ids(ids, vocab: int) -> None:
     """Token ids must index the embedding (the C core reads the row without a check): an int, or
     (min, max) of a prompt."""

@@ -1,12 +1,15 @@
-"""Prefill + decode loop, sampling, text streaming and timing."""
+"""The generate loop both runtimes share: prompt -> tokens -> text, sampling, timing.
+
+A runtime subclasses ``Generator`` and supplies ``check_fits`` and two logits calls (fp32
+numpy [vocab]): ``first_logits(ids)`` (the prompt through the model, its K/V cached) and
+``next_logits(token, pos)`` (one decode step).
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: torch is imported where it is used
-    import torch
+import numpy as np
 
 from .errors import RuntimeUserError
 
@@ -34,19 +37,24 @@ class GenStats:
         return d
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
-    import torch
-
-    if temperature <= 0:  # numpy: torch's argmax over a vocab runs an OpenMP region, whose threads
-        # then spin beside the C core's (two OpenMP runtimes in one process; see README "Threads")
-        return int(logits.float().numpy().argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def sample(logits, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """A token from fp32 logits [vocab] (numpy): greedy at temperature 0, else softmax(logits / T)
+    restricted to the smallest top-p set, drawn with ``rng``. Both runtimes sample here, so a
+    seed gives the same tokens in either."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
     if top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sp, 0) - sp < top_p
+        order = np.argsort(-p, kind="stable")
+        sp = p[order]
+        keep = np.cumsum(sp) - sp < top_p
         keep[0] = True
-        probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+        q = np.zeros_like(p)
+        q[order[keep]] = sp[keep]
+        p = q / q.sum()
+    return int(rng.choice(p.size, p=p))
 
 
 def check_request(ids, max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -59,13 +67,18 @@ def check_request(ids, max_new_tokens: int, temperature: float, top_p: float) ->
 
 
 class Generator:
-    """Prompt -> text around a model's ``stream_ids`` (the torch runtime's is below; runtime/lite.py
-    overrides it without torch)."""
-
-    def __init__(self, model, tokenizer):
-        self.model = model
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.last_stats = GenStats()
+
+    def check_fits(self, total_tokens: int) -> None:
+        raise NotImplementedError
+
+    def first_logits(self, ids: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def next_logits(self, token: int, pos: int) -> np.ndarray:
+        raise NotImplementedError
 
     def prompt_ids(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
@@ -78,27 +91,21 @@ class Generator:
     def stream_ids(self, ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                    seed: int | None = None, stop_ids=None):
         """Yields generated token ids; raises before any compute if it cannot fit."""
-        import torch
-
         check_request(ids, max_new_tokens, temperature, top_p)
-        self.model.check_fits(len(ids) + max_new_tokens)
+        self.check_fits(len(ids) + max_new_tokens)
         stop = (self.tokenizer.stop_ids if self.tokenizer else set()) if stop_ids is None else set(stop_ids)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        rng = np.random.default_rng(seed)
         st = self.last_stats = GenStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.int64), 0, last_only=True)[-1]
-        tok = sample(logits, temperature, top_p, gen)
+        tok = sample(self.first_logits(ids), temperature, top_p, rng)
         st.prefill_s = st.ttft_s = time.perf_counter() - t0
         st.new_tokens = 1
         yield tok
         pos = len(ids)
         t1 = time.perf_counter()
-        buf = torch.empty(1, dtype=torch.int64)
         while st.new_tokens < max_new_tokens and tok not in stop:
-            buf[0] = tok
-            logits = self.model.forward(buf, pos, last_only=True)[-1]
+            tok = sample(self.next_logits(tok, pos), temperature, top_p, rng)
             pos += 1
-            tok = sample(logits, temperature, top_p, gen)
             st.new_tokens += 1
             st.decode_s = time.perf_counter() - t1
             yield tok

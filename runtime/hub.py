@@ -59,13 +59,13 @@ def _check_download(repo: str, rev: str | None, patterns: list[str], art_dir: Pa
 def runnable_layouts() -> list[str]:
     """Layouts this host runs, best first: rows32 through the C core when it builds here, then
     the layout of torch's int4 kernel on this CPU (rows32 last: it still runs, slowly)."""
-    from . import kernels
+    from . import core
 
     try:
         host = [host_layout()]
     except LayoutError:
         host = []
-    return [ROWS32, *host] if kernels.try_load() is not None else [*host, ROWS32]
+    return [ROWS32, *host] if core.try_load() is not None else [*host, ROWS32]
 
 
 def download_artifact(spec: str, layouts: list[str] | None = None) -> tuple[Path, dict]:

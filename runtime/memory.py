@@ -104,9 +104,12 @@ def child(args: dict) -> dict:
     import sparkq.runtime as rt
     from sparkq.formats.procmem import RssSampler
     _stage("import sparkq", stages)
+    from sparkq.runtime.options import LabOptions
+
     kw = {k: args[k] for k in ("max_model_len", "kv_budget_mib", "threads", "rope_len_from_config") if args.get(k) is not None}
+    lab = LabOptions(rope_len_from_config=bool(kw.get("rope_len_from_config")))
     with RssSampler(0.002) as s:
-        m = rt.load(args["artifact"], **kw)
+        m = rt.load(args["artifact"], lab=lab, **{k: v for k, v in kw.items() if k != "rope_len_from_config"})
         _stage("after load", stages)
         list(m.stream_ids(list(range(100, 100 + min(8, m.capacity - 1))), max_new_tokens=1, stop_ids=[]))
         _stage("after warm-up", stages)

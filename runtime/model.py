@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from sparkq.formats.spec import ModelSpec, rope_tables_bf16
 
-from .common import REFINE_SPLIT, REFINE_TOP, kv_bytes_per_token  # noqa: F401  (REFINE_TOP: fastpath imports it from here)
+from .common import REFINE_SPLIT, REFINE_TOP, check_fits, kv_bytes_per_token
 from .errors import RuntimeUserError
 
 
@@ -102,20 +102,16 @@ class Model:
         self.scale = spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)
         self.act = F.silu if spec.act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
         self.embed_mult = torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16) if spec.embed_scale else None
-        self.fast = None  # FastDecoder (runtime/fastpath.py) when the C decode step applies
-        self.c_prefill = True  # prompts through the C core too, where fast.prefill_off is None
+        self.fast = None  # core.Session (runtime/fastpath.py) when the C decode step applies
+        self.prefill_off: str | None = "no C core"  # why prompts do not go through the C core (None: they do)
+        self.c_prefill = True  # prompts through the C core where prefill_off is None (False: the torch prefill)
 
     @property
     def capacity(self) -> int:
         return min(self.cache.capacity, self.max_model_len)
 
     def check_fits(self, total_tokens: int) -> None:
-        if total_tokens > self.capacity:
-            which = ("max_model_len", "--max-model-len") if self.max_model_len <= self.cache.capacity else \
-                    ("KV budget", "--kv-budget-mib")
-            raise RuntimeUserError(
-                f"{total_tokens} tokens (prompt + generation) exceed the {which[0]} capacity of {self.capacity} tokens; "
-                f"shorten the prompt, lower --max-new-tokens, or raise {which[1]}")
+        check_fits(total_tokens, self.max_model_len, self.cache.capacity)
 
     def _attention(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
         s = self.spec
@@ -172,18 +168,18 @@ class Model:
         """ids: int64 [T] at positions pos0..pos0+T-1; returns float32 logits [T or 1, vocab]."""
         s, n = self.spec, self.norms
         eps, off = s.rms_eps, s.norm_offset
-        if self.fast is not None and ids.numel() == 1:
-            if pos0 >= self.cache.capacity:
-                raise RuntimeUserError(f"position {pos0} is beyond the KV cache ({self.cache.capacity} tokens)")
-            logits = self.fast.step(int(ids[0]), pos0)  # top REFINE_TOP logits already exact (C)
-            return torch.tanh(logits / s.final_softcap) * s.final_softcap if s.final_softcap else logits
-        if self.fast is not None and self.fast.prefill_off is None and self.c_prefill:
+        if self.fast is not None and ids.numel() == 1:  # the C step; top logits exact, softcap applied
+            out = torch.empty(1, self.head.n, dtype=torch.float32)
+            self.fast.step(int(ids[0]), pos0, out=out.numpy()[0])
+            return out
+        if self.fast is not None and self.prefill_off is None and self.c_prefill:
             self.check_fits(pos0 + ids.numel())
             if last_only:  # the head of the last position in C, as the decode step's: what
                 # runtime/lite.py does, so both runtimes give the same logits and tokens
-                logits = self.fast.head(self.fast.prefill(ids, pos0, True))
-                return torch.tanh(logits / s.final_softcap) * s.final_softcap if s.final_softcap else logits
-            x = self.fast.prefill(ids, pos0, False)  # fp32, final-normed (C core, runtime/fastpath.py)
+                out = torch.empty(1, self.head.n, dtype=torch.float32)
+                self.fast.prompt(ids.numpy(), pos0, out=out.numpy()[0])
+                return out
+            x = torch.from_numpy(self.fast.prefill(ids.numpy(), pos0, False))  # fp32, final-normed
             return self._head(x if getattr(self.head, "c", None) is not None else x.to(torch.bfloat16))
         x = self.embedding.embed(ids)
         if self.embed_mult is not None:

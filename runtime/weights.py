@@ -55,6 +55,24 @@ class Scratch:
         return self.buf[:n]
 
 
+def c_matmul(lin, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ W^T through the C core's products (lin.c = (lib, SqLinear), set by fastpath.attach_linears)."""
+    import ctypes
+
+    lib, desc = lin.c
+    xc = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+    if out_dtype == torch.bfloat16:  # the C core writes bf16 directly (no [M, N] fp32 buffer here)
+        y, yb = None, torch.empty(x.shape[0], lin.n, dtype=torch.bfloat16)
+    else:
+        y, yb = torch.empty(x.shape[0], lin.n, dtype=torch.float32), None
+    if lib.sq_linear_batch(ctypes.byref(desc), xc.data_ptr(), int(xc.dtype == torch.bfloat16), xc.shape[0],
+                           y.data_ptr() if y is not None else None, yb.data_ptr() if yb is not None else None):
+        raise MemoryError(f"{lin.name}: C kernel could not allocate its activation buffers")
+    if yb is not None:
+        return yb
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
 class Int4Linear:
     def __init__(self, name: str, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                  n: int, k: int, layout: str, scratch: Scratch, prefill_dequant: bool | None = None):
@@ -76,22 +94,6 @@ class Int4Linear:
         if m <= C_MAX_ROWS or self.prefill_dequant is False:
             return True
         return self.prefill_dequant is None and self.k >= C_GEMM_MIN_K and self.k % 64 == 0 and self.g % 64 == 0
-
-    def _c_matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        import ctypes
-
-        lib, desc = self.c
-        xc = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
-        if out_dtype == torch.bfloat16:  # the C core writes bf16 directly (no [M, N] fp32 buffer here)
-            y, yb = None, torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
-        else:
-            y, yb = torch.empty(x.shape[0], self.n, dtype=torch.float32), None
-        if lib.sq_linear_batch(ctypes.byref(desc), xc.data_ptr(), int(xc.dtype == torch.bfloat16), xc.shape[0],
-                               y.data_ptr() if y is not None else None, yb.data_ptr() if yb is not None else None):
-            raise MemoryError(f"{self.name}: C kernel could not allocate its activation buffers")
-        if yb is not None:
-            return yb
-        return y if out_dtype == torch.float32 else y.to(out_dtype)
 
     def _c_dequant_matmul(self, xc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Many rows: the C core dequantizes row blocks to fp32 [rows, K] (row-major, as rows32
@@ -132,7 +134,7 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         m = x.shape[0]
         if self.c_gemm(m):
-            return self._c_matmul(x, out_dtype or x.dtype)
+            return c_matmul(self, x, out_dtype or x.dtype)
         if self.uses_kernel(m):
             y = int4_mm(x.contiguous(), self.qweight, self.g, self.scales_zeros)
             return y if out_dtype is None else y.to(out_dtype)
@@ -181,14 +183,12 @@ class Int8Linear:
         self.n, self.k = qweight.shape
         self.c = None  # (lib, SqLinear) when the C core is loaded
 
-    _c_matmul = Int4Linear._c_matmul
-
     def uses_kernel(self, m: int) -> bool:
         return True
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.c is not None:
-            return self._c_matmul(x, out_dtype or x.dtype)
+            return c_matmul(self, x, out_dtype or x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
         return y if out_dtype is None else y.to(out_dtype)
 

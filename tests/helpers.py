@@ -116,7 +116,7 @@ def kernel_builds(*builds, slow=()):
     (`make test-all` runs them, `make test` does not). Use with the `kernel_build` fixture
     (conftest.py), which selects it through SPARKQ_KERNEL for the runtime under test."""
     import pytest
-    from sparkq.runtime import kernels as K
+    from sparkq.runtime import core as K
 
     out = []
     for b in builds or K.ISA_BUILDS:

@@ -335,4 +335,4 @@ def test_int8_head_and_clip_method(tiny_tied, tmp_path):
     cl = convert(str(tiny_tied), str(tmp_path / "cl"), Options(progress=False, method="clip"))
     for role in ("qkv", "gate_up", "down"):
         assert cl["rel_error_by_role"][role]["mean"] < mm["rel_error_by_role"][role]["mean"]
-    assert Artifact.open(tmp_path / "cl").manifest["method"] == "clip"
+    assert Artifact.open(tmp_path / "cl").manifest.method == "clip"

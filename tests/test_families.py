@@ -7,9 +7,9 @@ from helpers import dequant_reference, kernel_builds, make_llama
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats import Artifact
 from sparkq.runtime import load
-from sparkq.runtime.kernels import _compiler
+from sparkq.runtime.core import compiler
 
-C_PATH = "c (" if _compiler() else "torch ("  # no compiler: the runtime's torch fallback
+C_PATH = "c (" if compiler() else "torch ("  # no compiler: the runtime's torch fallback
 
 FAMILIES = {
     "qwen2": dict(arch="qwen2"),

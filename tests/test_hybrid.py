@@ -117,5 +117,6 @@ def test_rope_sized_from_max_model_len_not_config(tmp_path):
     src = make_hybrid(tmp_path / "hybrid")
     m = load(str(src))  # default max_model_len: min(2048, 1M)
     assert sum(r.nbytes for r in m.model.ropes) == 2 * 2 * 2048 * (16 + 4)
-    bad = load(str(src), rope_len_from_config=True)
+    from sparkq.runtime.options import LabOptions
+    bad = load(str(src), lab=LabOptions(rope_len_from_config=True))
     assert sum(r.nbytes for r in bad.model.ropes) == 2 * 2 * 1048576 * (16 + 4)

@@ -1,6 +1,6 @@
-"""The C decode core (runtime/kernels/sq_decode.c) against references, on every build this CPU runs.
+"""The C core (runtime/core/csrc/) against references, on every build this CPU runs.
 
-The builds (runtime/kernels.py BUILDS): ``avx512-bf16`` (AVX512-VNNI products, AVX512-BF16
+The builds (runtime/core/builds.py BUILDS): ``avx512-bf16`` (AVX512-VNNI products, AVX512-BF16
 prompt GEMM), ``avx512-vnni`` (the same, prompts through the W4A8 GEMM), ``avx2``, ``scalar``
 (portable C) and ``exact`` (portable, fp32 activations: no A8). Tests parametrized with
 ``kernel_builds()`` run once per ISA build, ids naming it; a build this CPU cannot run is a
@@ -19,8 +19,8 @@ from helpers import kernel_builds, make_llama, run_py
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats.layout import ROWS32, dequantize_codes, pack_rows
 
-K_ = pytest.importorskip("sparkq.runtime.kernels")
-if K_._compiler() is None:  # the runtime then falls back to torch (tested below in a child without one)
+K_ = pytest.importorskip("sparkq.runtime.core")
+if K_.compiler() is None:  # the runtime then falls back to torch (tested below in a child without one)
     pytest.skip("no C compiler on this machine", allow_module_level=True)
 
 
@@ -90,7 +90,8 @@ def test_unknown_or_unrunnable_build_is_refused(monkeypatch):
     monkeypatch.setenv("SPARKQ_KERNEL", "avx9")
     with pytest.raises(K_.KernelUnavailable, match="not a build; choose native, off or one of"):
         K_.load()
-    monkeypatch.setattr(K_, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")  # an AVX2-only CPU
+    from sparkq.runtime.core import builds as B
+    monkeypatch.setattr(B, "cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")  # an AVX2-only CPU
     monkeypatch.setenv("SPARKQ_KERNEL", "avx512-vnni")
     with pytest.raises(K_.KernelUnavailable, match="cannot run the avx512-vnni build .*lacks avx512f"):
         K_.load()
@@ -114,11 +115,12 @@ def test_products_match_fp64_within_the_a8_budget(case, build):
 
 
 @pytest.mark.parametrize("build", kernel_builds())
-def test_work_stealing_products_equal_the_static_schedule(build):
+def test_work_stealing_products_equal_for_every_thread_count(build):
     """Decode products split rows by work stealing (each thread's own contiguous range first,
-    then the back of the others'): every row written once, by the same code as the static
-    schedule, so the outputs are bit-identical for any thread count (3 and 5 threads on this
-    2-core machine preempt each other, so blocks really are stolen)."""
+    then the back of the others'): every row written once, by the same code whichever thread
+    runs it, so the outputs are bit-identical for any thread count (1 thread: one range, no
+    stealing; 3 and 5 threads on this 2-core machine preempt each other, so blocks really are
+    stolen)."""
     lib = _lib(build)
     cases = [_int4(4096, 512, 128), _int4(1040, 576, 64), _int8(2000, 256)]
     try:
@@ -127,15 +129,12 @@ def test_work_stealing_products_equal_the_static_schedule(build):
             ref = None
             for threads in (1, 2, 3, 5):
                 lib.sq_set_threads(threads)
-                for static in (1, 0):
-                    lib.sq_set_static_schedule(static)
-                    for _ in range(3):
-                        y = torch.full((L.n,), float("nan"))
-                        assert lib.sq_linear_f32(ctypes.byref(L), x.data_ptr(), y.data_ptr()) == 0
-                        ref = y if ref is None else ref
-                        assert torch.equal(y, ref), (L.n, L.k, threads, static)
+                for _ in range(4):
+                    y = torch.full((L.n,), float("nan"))
+                    assert lib.sq_linear_f32(ctypes.byref(L), x.data_ptr(), y.data_ptr()) == 0
+                    ref = y if ref is None else ref
+                    assert torch.equal(y, ref), (L.n, L.k, threads)
     finally:
-        lib.sq_set_static_schedule(0)
         lib.sq_set_threads(torch.get_num_threads())
 
 
@@ -257,13 +256,12 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     of the same weights up to the bf16 KV cache; in chunks and continued from a later position
     it gives the same logits as in one piece."""
     from helpers import dequant_reference
-    from sparkq.runtime import fastpath
 
     q = _gemma3_exact(tmp_path, monkeypatch)
-    assert q.model.fast.prefill_off is None
+    assert q.model.prefill_off is None
     calls = []
-    real = fastpath.FastDecoder.prefill
-    monkeypatch.setattr(fastpath.FastDecoder, "prefill", lambda self, *a: calls.append(a[1:]) or real(self, *a))
+    real = K_.Session.prefill
+    monkeypatch.setattr(K_.Session, "prefill", lambda self, *a: calls.append(a[1:]) or real(self, *a))
     t = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(1))
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
     b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
@@ -272,7 +270,7 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     ratios = ((y - b32).abs().amax(-1) / (b16 - b32).abs().amax(-1)).tolist()
     # measured max 0.81, median 0.42, as the decode steps above (a wrong mask or feature is far above 1)
     assert max(ratios) < 0.9 and sorted(ratios)[len(ratios) // 2] < 0.6, ratios
-    monkeypatch.setattr(fastpath, "PREFILL_CHUNK", 5)  # chunks of 5 tokens: windows cross chunk edges
+    q.model.fast.prefill_chunk = 5  # chunks of 5 tokens: windows cross chunk edges
     assert torch.allclose(q.model.forward(t, 0, last_only=False), y, rtol=1e-5, atol=1e-5)
     a, b = q.model.forward(t[:11], 0, last_only=False), q.model.forward(t[11:], 11, last_only=False)
     assert torch.allclose(torch.cat([a, b]), y, rtol=1e-5, atol=1e-5)
@@ -299,7 +297,7 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     convert(str(src), str(out), Options(progress=False, method="minmax"))
     q = load(str(out), max_model_len=64)
     m = q.model
-    assert m.fast.prefill_off is None and m.layer_cfg[0].window == 8
+    assert m.prefill_off is None and m.layer_cfg[0].window == 8
     assert (m.fast.lib.sq_simd(), m.fast.lib.sq_prefill_bf16()) == K_.EXPECT[kernel_build]
     t = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2))
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
@@ -317,17 +315,16 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     ec, et = err(c), err(ref)
     assert ec[len(ec) // 2] < 1.6 and ec[-1] < 2.5 and ec[len(ec) // 2] <= et[len(et) // 2], (ec, et)
     assert torch.equal(m.forward(t, 0, last_only=False), c)  # deterministic; the cache holds the C prefill's K/V
-    from sparkq.runtime import fastpath
     # chunks of 7 (the window is 8: later chunks see keys from p0 - 7 on, through the fp32 key copy)
     # and a prompt continued from a later position: every token's products, norms and attention
     # are computed in the same order whatever its place in a chunk, so the logits are the same
     # bits (docs/correctness.md: AVX2 token tiles once summed tail tokens in another order, which
     # moved int8 codes and shifted chunked prompts by 0.4-0.9%)
-    old_chunk, fastpath.PREFILL_CHUNK = fastpath.PREFILL_CHUNK, 7
+    m.fast.prefill_chunk = 7
     try:
         assert torch.equal(m.forward(t, 0, last_only=False), c)
     finally:
-        fastpath.PREFILL_CHUNK = old_chunk
+        m.fast.prefill_chunk = K_.PREFILL_CHUNK
     assert torch.equal(torch.cat([m.forward(t[:13], 0, last_only=False), m.forward(t[13:], 13, last_only=False)]), c)
     k0, v0 = m.cache.k.clone(), m.cache.v.clone()
     steps = []
@@ -363,7 +360,7 @@ def test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8(tmp_path, ker
     convert(str(src), str(out), Options(progress=False, method="minmax"))
     q = load(str(out), max_model_len=64)
     m = q.model
-    assert m.fast.prefill_off is None and m.fast.lib.sq_prefill_bf16()
+    assert m.prefill_off is None and m.fast.lib.sq_prefill_bf16()
     t = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3))
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
     b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
@@ -444,7 +441,8 @@ print(json.dumps({{"path": m.info.extra["decode_path"], "ids": out}}))
 
 
 def test_package_ships_the_source():
-    assert K_.SOURCE.exists() and K_.SOURCE.suffix == ".c"
+    names = {p.name for p in K_.sources()}
+    assert {"sq.c", "sq_abi.h", "sq_simd.h", "gemv.c"} <= names
     assert _lib("native").sq_abi() == K_.ABI
 
 

@@ -43,7 +43,7 @@ def test_pack_matches_kernel_source_loop(layout, n, k):
 
 
 def test_rows32_bytes_follow_the_documented_rule():
-    """rows32 (read by runtime/kernels/sq_decode.c): row n at n*K/2, 16 bytes per 32 columns,
+    """rows32 (read by runtime/core/csrc): row n at n*K/2, 16 bytes per 32 columns,
     byte j of block b = q[32b+j] | q[32b+j+16] << 4; packing row blocks concatenates."""
     n, k = 48, 96
     q = np.random.default_rng(3).integers(0, 16, (n, k), dtype=np.uint8)

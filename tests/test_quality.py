@@ -114,7 +114,7 @@ def test_gptq_conversion_end_to_end(tiny_tied, tmp_path):
     c = s["calibration"]
     assert c["tokens"] == 1024 and c["sequences"] == 2 and c["start_char"] == len(calib.read_text()) // 2
     art = Artifact.open(out)
-    assert art.manifest["method"] == "gptq" and art.manifest["calibration"]["sha256"] == c["sha256"]
+    assert art.manifest.method == "gptq" and art.manifest.calibration["sha256"] == c["sha256"]
     # the default head on rows32: split (int4 plane + residual plane, gptq on the first)
     assert art.linears["lm_head"].kind == "int4" and art.linears["lm_head"].residual
     art.verify()

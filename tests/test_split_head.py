@@ -1,7 +1,6 @@
 """The split head (`--head split`, formats/constants.py): an int4 plane that the decode step's
 head product reads, a 4-bit residual plane that the refinement of the top logits and the
 embedding add."""
-import ctypes
 import json
 import shutil
 
@@ -56,7 +55,7 @@ def test_format_planes_and_reconstruction(split_pair):
     assert ((stored - w).abs() <= 0.5 * step + 1e-6 * w.abs().max()).all()
     err_split, err_first = (stored - w).norm() / w.norm(), (first - w).norm() / w.norm()
     assert err_split < err_first / 8  # ~4 more bits
-    assert abs(a.manifest["linears"]["lm_head"]["rel_error"] - float(err_split)) < 1e-4
+    assert abs(a.manifest.linears["lm_head"].rel_error - float(err_split)) < 1e-4
     # a manifest that drops the flag leaves the second plane unexpected: refused
     bad = sp.parent / "bad"
     shutil.copytree(sp, bad)
@@ -100,17 +99,16 @@ def test_c_core_selects_exactly_the_top_k_and_refines_them(split_pair, kernel_bu
     from sparkq.runtime.lite import load
     _, sp, _ = split_pair
     m = load(str(sp), max_model_len=64)
-    head = m.m.head
-    assert m.m.refine_top == REFINE_SPLIT and head.res and head.rsc
+    sess = m.session
+    head = sess.m.head
+    assert sess.m.refine_top == REFINE_SPLIT and head.res and head.rsc
     rng = np.random.default_rng(1)
     for trial in range(3):
         xn = rng.standard_normal(m.spec.hidden).astype(np.float32)
-        m.m.refine_top = 0
-        m.lib.sq_head(ctypes.byref(m.m), m.work, xn.ctypes.data, m.logits.ctypes.data)
-        screen = m.logits.copy()
-        m.m.refine_top = REFINE_SPLIT
-        m.lib.sq_head(ctypes.byref(m.m), m.work, xn.ctypes.data, m.logits.ctypes.data)
-        got = m.logits.copy()
+        sess.m.refine_top = 0
+        screen = sess.head(xn).copy()
+        sess.m.refine_top = REFINE_SPLIT
+        got = sess.head(xn).copy()
         top = np.argsort(-screen, kind="stable")[:REFINE_SPLIT]
         changed = np.nonzero(got != screen)[0]
         assert set(changed) <= set(top) and len(changed) > 0.99 * REFINE_SPLIT

@@ -1,0 +1,154 @@
+/* The decode products on AVX512-VNNI: int4 x quad int8 activations and int8 x int8 (vpdpbusd).
+ * The portable reference is gemv.c; the AVX2 versions (gemv_avx2.c) take rows with more groups
+ * than QUAD_MAX_GROUPS. */
+#ifdef SQ_AVX512
+/* The weight scales of quad step p (128 columns) from a row's fp32 group scales s: one group
+ * (g >= 128; gsh = log2(g / 128)) or two (g = 64, gsh < 0: lanes 0-7, 8-15). */
+static inline __m512 step_scales(const float *s, int gsh, int64_t p, int64_t st) { /* s[st * group] */
+    if (gsh < 0) return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[st * 2 * p]), _mm512_set1_ps(s[st * (2 * p + 1)]));
+    return _mm512_set1_ps(s[st * (p >> gsh)]);
+}
+
+static inline int group_shift(int64_t G) { return G == 64 ? -1 : __builtin_ctzll((uint64_t)G) - 7; }
+
+/* One quad step p (128 columns) of one row w: the 16 lanes' integer dot products (each over
+ * the 8 columns of one activation scale), as fp32; the bytes `ahead` of them prefetched. */
+static inline __attribute__((always_inline)) __m512 quad_dot(const uint8_t *w, const uint8_t *ahead, __m512i xl,
+                                                             __m512i xh, int64_t p) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), wv = _mm512_loadu_si512((const void *)(w + 64 * p));
+    _mm_prefetch((const char *)(ahead + 64 * p), _MM_HINT_T0);
+    const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
+}
+
+/* The half step after the last whole quad (K % 128 == 64, then g = 64: one group): row w's
+ * codes of blocks 4p, 4p + 1 against their quad-order activations through 256-bit VNNI, times
+ * the activation scales, summed (the weight scale is the caller's). */
+static inline float half_step(const uint8_t *w, const int8_t *xq, const float *s8, int64_t p) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
+    const __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+    __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq + 128 * p)));
+    d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(xq + 128 * p + 64)));
+    return hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p)));
+}
+
+/* One row n of int4 x quad int8 activations (VNNI). sc: the row's fp32 weight scales, one every
+ * 16 floats (its chunk's scales are group-major: sc[16 gi + row]); zt: its zero and -8 terms.
+ * Per 128 columns one 64-byte weight load, two masks, two vpdpbusd, a convert and two FMAs
+ * (activation scales, weight scales; g >= 256: the weight scale once per group, through a group
+ * accumulator); a last half step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
+static inline __attribute__((always_inline)) void row_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                              const float *sc, float zt, int64_t ahead) {
+    const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
+    const uint8_t *w = L->q + n * rb, *wa = w + ahead * rb;
+    __m512 acc = _mm512_setzero_ps();
+    if (G <= 128) { /* one step per scale vector: no group accumulator */
+        const int gsh = group_shift(G);
+        for (int64_t p = 0; p < nq; p++) {
+            const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
+            const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
+            const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
+            acc = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(w, wa, xl, xh, p), xs), step_scales(sc, gsh, p, 16), acc);
+        }
+    } else {
+        const int64_t spg = G / 128;
+        for (int64_t gi = 0; gi < ng; gi++) {
+            __m512 gacc = _mm512_setzero_ps();
+            for (int64_t p = gi * spg; p < (gi + 1) * spg; p++) {
+                const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
+                const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
+                const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
+                gacc = _mm512_fmadd_ps(quad_dot(w, wa, xl, xh, p), xs, gacc);
+            }
+            acc = _mm512_fmadd_ps(gacc, _mm512_set1_ps(sc[16 * gi]), acc);
+        }
+    }
+    const float t = K % 128 ? half_step(w, a->q, a->s8, nq) * sc[16 * (ng - 1)] : 0.f;
+    y[n] = _mm512_reduce_add_ps(acc) + t + zt;
+}
+
+/* Rows [r0, r1), 16 at a time. A chunk's scales and zeros are one cache line per group
+ * ([K/g, N, 2]); they are converted up front, 16 rows per vector, into group-major scales and
+ * per-row zero terms, so the row loop reads only the weights and the activations. Their lines
+ * (K/g streams the hardware prefetcher does not follow) are prefetched 3 chunks ahead, a few
+ * per row: the same prefetches issued together at the chunk's start (2 and 3 chunks ahead)
+ * stalled the weight stream behind them, 5% of the whole decode step (1.7B shape, 4
+ * interleaved rounds of 3 x 64 lite steps, scratch A/B script, not kept: 42.2 -> 45.7 tok/s
+ * contended, 64.6 -> 66.7 quiet).
+ * One row at a time: the weights are then one sequential stream per thread. Two rows sharing
+ * the activation loads (before) interleaved two streams 1 row apart, which the prefetchers
+ * followed worse: every body product of the 1.7B shape in step order (scratch ctypes script,
+ * not kept; 3 interleaved rounds with a streaming-read probe) 27.6 -> 33.0-34.0 GB/s on one
+ * thread (probe ~41), 34 -> 40 on two (probe ~49). */
+static void gemv_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    if (r1 - r0 > 16) {
+        for (int64_t c = r0; c < r1; c += 16) gemv_q4_a8quad_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1);
+        return;
+    }
+    const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, nr = r1 - r0;
+    const int64_t ahead = rows_ahead(rb, 8192);
+    float sc[16 * QUAD_MAX_GROUPS] __attribute__((aligned(64))), zt[16];
+    const __mmask16 valid = rows_mask(nr);
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000);
+    __m512 ztv = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const uint16_t *p = L->sz + 2 * (gi * N + r0);
+        const __m512i v = _mm512_maskz_loadu_epi32(valid, (const void *)p); /* (scale, zero) per row, scale low */
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), z = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+        _mm512_store_ps(sc + 16 * gi, s);
+        ztv = _mm512_add_ps(ztv, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_set1_ps(a->gsum[gi])),
+                                               _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), s), _mm512_set1_ps(a->gqsum[gi]))));
+    }
+    _mm512_storeu_ps(zt, ztv);
+    const int64_t per = (ng + 15) / 16; /* scale lines of the chunk 3 on, spread over the rows */
+    for (int64_t i = 0; i < nr; i++) {
+        if (r0 + 64 < N)
+            for (int64_t gi = i * per; gi < (i + 1) * per && gi < ng; gi++)
+                _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
+        row_q4_a8quad_avx512(L, a, y, r0 + i, sc + i, zt[i], ahead);
+    }
+}
+#endif
+
+#ifdef SQ_AVX512
+/* Int8 rows (natural activation order) with VNNI. vpdpbusd wants unsigned x signed bytes: the
+ * weights go in with their sign bit flipped (w + 128) and each product starts from
+ * -128 * (the sum of the activations in its lane), computed per 64 columns.
+ * Lane l of 64 columns p covers columns 4(l % 8).. of block 2p + l / 8: sub-block l % 4. */
+static inline __attribute__((always_inline)) void row_q8_a8_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
+                                                              int64_t ahead) {
+    const int64_t K = L->k;
+    const int8_t *w = (const int8_t *)L->q + n * K;
+    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    const __m512i perm = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; 64 * p + 64 <= K; p++) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(a->q + 64 * p));
+        const __m512i corr = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(),
+                                                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, xv)), 7);
+        const __m512 xs = _mm512_permutexvar_ps(perm, _mm512_castps256_ps512(_mm256_loadu_ps(a->s8 + 8 * p)));
+        const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64 * p)), flip);
+        _mm_prefetch((const char *)(w + ahead * K + 64 * p), _MM_HINT_T0);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wv, xv)), xs, acc);
+    }
+    float t = 0.f;
+    if (K % 64) { /* the last 32 columns (K % 32 == 0) */
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p));
+        const __m256i corr = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(),
+                             _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), xv)), 7);
+        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 64 * p)), _mm256_set1_epi8((char)0x80));
+        t = hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, wv, xv)),
+                                _mm256_broadcast_ps((const __m128 *)(a->s8 + 8 * p))));
+    }
+    y[n] = (_mm512_reduce_add_ps(acc) + t) * bf(L->sz[n]);
+}
+
+/* one row at a time (one sequential stream per thread, as the int4 rows): a 151936 x 2048 int8
+ * head alone (scratch ctypes script, not kept; 2 threads, 3 interleaved rounds) 56-57 -> 78 GB/s
+ * against two rows sharing the activation loads */
+static void gemv_q8_a8_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    const int64_t ahead = rows_ahead(L->k, 8192);
+    for (int64_t n = r0; n < r1; n++) row_q8_a8_avx512(L, a, y, n, ahead);
+}
+#endif

@@ -1,0 +1,116 @@
+/* The decode products' dispatch (which version a build runs) and schedule (how a product's rows
+ * are split over the threads of the decode step's parallel region). */
+
+/* Products are split in two so that a whole decode step runs in one parallel region:
+ * prep() runs on one thread (inside an `omp single`), products() is entered by every thread of
+ * the region and ends in a barrier. */
+static void prep(const sq_linear *L, const float *x, sq_act *a) {
+    if (L->kind != KIND_BF16) quantize_act(x, L, a);
+    a->x = x;
+    a->epoch = (a->epoch + 1) & 0xffffffffu;
+}
+
+/* The dispatch table: the decode product each (weight kind, activation order) takes in this build.
+ * Int4 is indexed by sq_act.paired (0 natural, 1 AVX2 paired, 2 AVX512 quad: act.c). */
+typedef void (*gemv_fn)(const sq_linear *, const sq_act *, float *, int64_t, int64_t);
+static const gemv_fn GEMV_Q4[3] = {
+    gemv_q4_a8_c,
+#ifdef SQ_AVX2
+    gemv_q4_a8pair_avx2,
+#else
+    gemv_q4_a8_c,
+#endif
+#ifdef SQ_AVX512
+    gemv_q4_a8quad_avx512,
+#else
+    gemv_q4_a8_c,
+#endif
+};
+#if defined(SQ_AVX512)
+static const gemv_fn GEMV_Q8 = gemv_q8_a8_avx512;
+#elif defined(SQ_AVX2)
+static const gemv_fn GEMV_Q8 = gemv_q8_a8_avx2;
+#else
+static const gemv_fn GEMV_Q8 = gemv_q8_a8_c;
+#endif
+
+/* rows [r0, r1) of y = L x (+ bias) */
+static void rows(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+#ifdef SQ_EXACT
+    if (L->kind != KIND_BF16) gemv_exact_f32(L, a->x, y, r0, r1);
+    else
+#endif
+    if (L->kind == KIND_INT4) GEMV_Q4[a->paired](L, a, y, r0, r1);
+    else if (L->kind == KIND_INT8) GEMV_Q8(L, a, y, r0, r1);
+    else gemv_bf16_f32(L, a->x, y, r0, r1);
+    if (L->bias)
+        for (int64_t n = r0; n < r1; n++) y[n] += bf(L->bias[n]);
+}
+
+/* Work stealing. The blocks of a product are split into one contiguous range per thread, as a
+ * static schedule would; a thread takes blocks from the front of its own range and, when that
+ * is empty, from the back of the other threads' ranges. On a quiet machine each thread streams
+ * its own contiguous rows (what the hardware prefetcher wants; a dynamic schedule that deals
+ * blocks out in turn was measured ~8% slower); on a shared one a thread that loses its core
+ * for a while no longer holds up the whole step at the next barrier with its untouched half.
+ * A slot packs (epoch:32 | lo:16 | hi:16) in one word changed by compare-and-swap; a slot whose
+ * epoch is not the current product's is read as its initial range, so no barrier is needed to
+ * reset the slots (every owner rewrites its own slot once per product, so a stale epoch is one
+ * product old; only a slot above a later-lowered thread count could wait 2^32 products). */
+static int claim(sq_slot *s, uint64_t ep, uint64_t lo0, uint64_t hi0, int back, int64_t *blk, int64_t *cnt) {
+    uint64_t cur = __atomic_load_n(&s->v, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const int fresh = (cur >> 32) == ep;
+        const uint64_t lo = fresh ? (cur >> 16) & 0xffff : lo0, hi = fresh ? cur & 0xffff : hi0;
+        if (lo >= hi) {
+            if (!fresh) __atomic_compare_exchange_n(&s->v, &cur, ep << 32 | lo << 16 | hi, 0, __ATOMIC_ACQ_REL,
+                                                    __ATOMIC_ACQUIRE);
+            return 0;
+        }
+        /* the owner takes up to 4 blocks while a quarter of its range is left (fewer compare-and-
+         * swaps: each one is a full barrier, ~2% of a decode step at one per block) */
+        uint64_t q = back ? 1 : (hi - lo) / 4;
+        q = q < 1 ? 1 : q > 8 ? 8 : q;
+        const uint64_t nlo = back ? lo : lo + q, nhi = back ? hi - 1 : hi;
+        if (__atomic_compare_exchange_n(&s->v, &cur, ep << 32 | nlo << 16 | nhi, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *blk = back ? (int64_t)hi - 1 : (int64_t)lo;
+            *cnt = (int64_t)q;
+            return 1;
+        }
+    }
+}
+
+static void products(const sq_linear *L, const sq_act *a, float *y) {
+    const int64_t N = L->n, chunks = (N + 15) / 16;
+#ifdef _OPENMP
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int nt = 1, t = 0;
+#endif
+    if (nt == 1 || nt > SQ_MAXT) {
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) rows(L, a, y, c * 16, c * 16 + 16 < N ? c * 16 + 16 : N);
+        return;
+    }
+    /* blocks of >= 16 KiB of weights (one compare-and-swap per ~1 us of streaming) */
+    const int64_t rowbytes = L->kind == KIND_INT4 ? L->k / 2 : L->kind == KIND_INT8 ? L->k : 2 * L->k;
+    int64_t per = (16384 + 16 * rowbytes - 1) / (16 * rowbytes);
+    if (per < 1) per = 1;
+    if ((chunks + per - 1) / per > 0xffff) per = (chunks + 0xfffe) / 0xffff; /* 16-bit block indices */
+    const int64_t nb = (chunks + per - 1) / per, rpb = 16 * per;
+    const uint64_t ep = a->epoch;
+    int64_t b, q;
+    for (int i = 0; i < nt; i++) {
+        const int v = (t + i) % nt;
+        while (claim(&a->slot[v], ep, (uint64_t)(nb * v / nt), (uint64_t)(nb * (v + 1) / nt), i > 0, &b, &q))
+            rows(L, a, y, b * rpb, (b + q) * rpb < N ? (b + q) * rpb : N);
+    }
+#pragma omp barrier
+}
+
+/* y = L x (+ bias), from outside a parallel region */
+static void linear(const sq_linear *L, const float *x, sq_act *a, float *y) {
+    prep(L, x, a);
+#pragma omp parallel
+    products(L, a, y);
+}

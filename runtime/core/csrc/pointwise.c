@@ -1,0 +1,127 @@
+/* The pointwise parts between the products, per token, fp32: RMS norms, RoPE, the q/k norms
+ * and the KV-cache write, residual adds, SwiGLU / GELU, and embedding rows. */
+
+static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, int offset, float *out) {
+    double ss = 0.0;
+    int64_t i0 = 0;
+#ifdef SQ_AVX512
+    { /* the sum of squares in fp64 on 8 lanes x 2 chains (a serial fp64 sum waits on each add) */
+        __m512d a = _mm512_setzero_pd(), b = a;
+        for (; i0 + 16 <= d; i0 += 16) {
+            const __m512d u = _mm512_cvtps_pd(_mm256_loadu_ps(x + i0)), v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i0 + 8));
+            a = _mm512_fmadd_pd(u, u, a);
+            b = _mm512_fmadd_pd(v, v, b);
+        }
+        ss = _mm512_reduce_add_pd(_mm512_add_pd(a, b));
+    }
+#endif
+    for (int64_t i = i0; i < d; i++) ss += (double)x[i] * x[i];
+    float r = (float)(1.0 / sqrt(ss / d + eps));
+    for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * (offset ? 1.f + bf(w[i]) : bf(w[i]));
+}
+
+static void rope(float *v, const uint16_t *cos, const uint16_t *sin, int64_t rot) {
+    int64_t h = rot / 2, i = 0;
+#ifdef SQ_AVX512
+    for (; i + 16 <= h; i += 16) {
+        const __m512 a = _mm512_loadu_ps(v + i), b = _mm512_loadu_ps(v + i + h);
+        _mm512_storeu_ps(v + i, _mm512_sub_ps(_mm512_mul_ps(a, load_bf16x16(cos + i)), _mm512_mul_ps(b, load_bf16x16(sin + i))));
+        _mm512_storeu_ps(v + i + h, _mm512_add_ps(_mm512_mul_ps(b, load_bf16x16(cos + i + h)), _mm512_mul_ps(a, load_bf16x16(sin + i + h))));
+    }
+#endif
+    for (; i < h; i++) {
+        float a = v[i], b = v[i + h];
+        v[i] = a * bf(cos[i]) - b * bf(sin[i]);
+        v[i + h] = b * bf(cos[i + h]) + a * bf(sin[i + h]);
+    }
+}
+
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+
+/* Head h of one token's q/k/v row (q heads, k heads, v heads, contiguous) at position pos: a
+ * query (h < H) or key head normed and rotated in place; a key head's K and its V row then go
+ * to the layer's bf16 cache. */
+static void qk_rope_head(const sq_model *m, const sq_layer *L, float *q, int64_t pos, int64_t h) {
+    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim;
+    float *hv = q + h * D; /* q heads then k heads are contiguous */
+    if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
+    rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
+    if (h >= H) {
+        const int64_t g = h - H;
+        to_bf_n(hv, L->kcache + (g * m->cap + pos) * D, D);
+        to_bf_n(q + (H + KV + g) * D, L->vcache + (g * m->cap + pos) * D, D);
+    }
+}
+
+/* every head of one token (the prefill; the decode step spreads the heads over its threads) */
+static void qk_rope_cache(const sq_model *m, const sq_layer *L, float *q, int64_t pos) {
+    for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, q, pos, h);
+}
+
+/* x += h (one token's residual stream), h normed first where the layer has a post-norm (gemma) */
+static void add_residual(const sq_model *m, const uint16_t *post_norm, float *h, float *x) {
+    if (post_norm) rms_norm(h, post_norm, m->hidden, m->eps, (int)m->norm_offset, h);
+    for (int64_t i = 0; i < m->hidden; i++) x[i] += h[i];
+}
+
+
+static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
+    int64_t i = 0;
+#ifdef SQ_AVX512
+    if (act == 0)
+        for (; i + 16 <= I; i += 16) { /* the AVX2 loop below on 16 lanes */
+            const __m512 g = _mm512_loadu_ps(gu + i);
+            const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(87.f)));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                                    _mm512_loadu_ps(gu + I + i)));
+        }
+#endif
+#ifdef SQ_AVX2
+    if (act == 0)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gu + i);
+            /* g / (1 + e^-g); e^-g for g < -87 is clamped (the quotient is then -0 or tiny) */
+            const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(87.f)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                                    _mm256_loadu_ps(gu + I + i)));
+        }
+#endif
+    for (; i < I; i++) {
+        const float g = gu[i];
+        out[i] = (act == 0 ? g / (1.f + expf(-g)) : gelu_tanh(g)) * gu[I + i];
+    }
+}
+
+
+/* embedding row -> fp32 */
+static void embed_row(const sq_linear *E, int64_t id, float *x) {
+    const int64_t K = E->k;
+    if (E->kind == KIND_INT4) {
+        const uint8_t *w = E->q + id * (K / 2);
+        for (int64_t b = 0; b < K / 32; b++)
+            for (int j = 0; j < 16; j++) {
+                int64_t k0 = 32 * b + j, k1 = k0 + 16;
+                const uint16_t *p0 = E->sz + 2 * ((k0 / E->g) * E->n + id), *p1 = E->sz + 2 * ((k1 / E->g) * E->n + id);
+                x[k0] = ((w[16 * b + j] & 15) - 8.f) * bf(p0[0]) + bf(p0[1]);
+                x[k1] = ((w[16 * b + j] >> 4) - 8.f) * bf(p1[0]) + bf(p1[1]);
+                if (E->res) { /* a split embedding: add the second plane */
+                    const uint8_t r = E->res[id * (K / 2) + 16 * b + j];
+                    const uint16_t *rs = E->rsc + id * (K / E->g);
+                    x[k0] += ((r & 15) - 8.f) * bf(rs[k0 / E->g]);
+                    x[k1] += ((r >> 4) - 8.f) * bf(rs[k1 / E->g]);
+                }
+                x[k0] = bf(to_bf(x[k0]));
+                x[k1] = bf(to_bf(x[k1]));
+            }
+    } else if (E->kind == KIND_INT8) {
+        const int8_t *w = (const int8_t *)E->q + id * K;
+        float s = bf(E->sz[id]);
+        for (int64_t k = 0; k < K; k++) x[k] = bf(to_bf(w[k] * s));
+    } else {
+        const uint16_t *w = (const uint16_t *)E->q + id * K;
+        for (int64_t k = 0; k < K; k++) x[k] = bf(w[k]);
+    }
+}

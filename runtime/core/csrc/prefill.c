@@ -1,0 +1,95 @@
+/* A prompt through every layer (sq_prefill): the arithmetic of sq_step for a chunk of tokens at a
+ * time -- fp32 residual stream and pointwise parts, the prompt GEMMs (gemm.c), bf16 KV cache, and
+ * causal (optionally sliding-window) attention over the cache (attention.c). */
+
+/* Y [M, N] = X [M, K] L^T (+ bias), fp32 in and out */
+static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y, void *xtbuf) {
+    const int64_t K = L->k, N = L->n;
+#ifdef SQ_EXACT
+    const int exact = 1;
+#else
+    const int exact = 0;
+#endif
+    if (exact || L->kind == KIND_BF16) {
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < M; t++) {
+#ifdef SQ_EXACT
+            if (L->kind != KIND_BF16) { gemv_exact_f32(L, X + t * K, Y + t * N, 0, N); continue; }
+#endif
+            gemv_bf16_f32(L, X + t * K, Y + t * N, 0, N);
+        }
+    } else if (linear_batch(L, X, 0, M, Y, NULL, xtbuf)) {
+        return -1;
+    }
+    if (L->bias)
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t n = 0; n < N; n++) Y[t * N + n] += bf(L->bias[n]);
+    return 0;
+}
+
+/* Tokens [pos0, pos0 + T) of a prompt through every layer, `chunk` tokens at a time (their
+ * K/V go to the cache). out: the final-normed hidden state (fp32 [E]) of every token
+ * (all != 0, out [T, E]) or of the last one. Returns 0, -1 out of memory, -2 beyond the cache. */
+int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk, float *out,
+               int64_t all) {
+    if (T <= 0 || pos0 < 0 || pos0 + T > m->cap) return -2;
+    if (chunk <= 0 || chunk > T) chunk = T;
+    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd), wide = 2 * I > nqkv ? 2 * I : nqkv;
+    const int off = (int)m->norm_offset;
+    int nthr = 1;
+#ifdef _OPENMP
+    nthr = omp_get_max_threads();
+#endif
+    float *x = malloc(sizeof(float) * chunk * E), *xn = malloc(sizeof(float) * chunk * maxk);
+    float *big = malloc(sizeof(float) * chunk * wide), *att = malloc(sizeof(float) * chunk * qd);
+    float *scr = malloc(sizeof(float) * nthr * PQB * m->cap);
+    float *kf = malloc(sizeof(float) * (pos0 + T) * D); /* one KV head's keys in fp32 (attention_many) */
+    void *xt = NULL; /* the bf16 GEMM's activation tiles, shared by every product */
+#ifdef SQ_BF16
+    xt = alloc64(sizeof(uint16_t) * ((chunk + BT - 1) / BT * BT) * maxk);
+    int rc = (x && xn && big && att && scr && kf && xt) ? 0 : -1;
+#else
+    int rc = (x && xn && big && att && scr && kf) ? 0 : -1;
+#endif
+    for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
+        const int64_t n = c0 + chunk < T ? chunk : T - c0, p0 = pos0 + c0;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < n; t++) {
+            embed_row(&m->embed, tokens[c0 + t], x + t * E);
+            if (m->embed_mult != 0.0)
+                for (int64_t i = 0; i < E; i++) x[t * E + i] = bf(to_bf(x[t * E + i] * (float)m->embed_mult));
+        }
+        for (int64_t li = 0; li < m->layers && !rc; li++) {
+            const sq_layer *L = &m->layer[li];
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
+            if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
+            attention_many(m, L, big, nqkv, p0, n, att, scr, kf);
+            if ((rc = linear_many(&L->o, att, n, xn, xt))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) {
+                add_residual(m, L->post_attn_norm, xn + t * E, x + t * E);
+                rms_norm(x + t * E, L->mlp_norm, E, m->eps, off, xn + t * E);
+            }
+            if ((rc = linear_many(&L->gate_up, xn, n, big, xt))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) silu_mul(big + t * 2 * I, I, (int)m->act, xn + t * I);
+            if ((rc = linear_many(&L->down, xn, n, big, xt))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) add_residual(m, L->post_mlp_norm, big + t * E, x + t * E);
+        }
+        if (rc) break;
+        if (all) {
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, m->final_norm, E, m->eps, off, out + (c0 + t) * E);
+        } else if (c0 + n == T) {
+            rms_norm(x + (n - 1) * E, m->final_norm, E, m->eps, off, out);
+        }
+    }
+    free(x); free(xn); free(big); free(att); free(scr); free(kf); free(xt);
+    return rc;
+}

@@ -1,0 +1,47 @@
+/* The C core's ABI: the structs the Python binding fills (runtime/core/abi.py mirrors them
+ * with ctypes and checks the mirror against sq_abi_desc() at load), the linear kind codes, and
+ * the ABI number. Every field is 8 bytes wide, so the layout has no padding questions. */
+#ifndef SQ_ABI_H
+#define SQ_ABI_H
+#include <stdint.h>
+
+#define SQ_ABI 6
+
+/* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
+enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2 };
+
+/* one linear: W [N, K] in the artifact's mapping, read in place.
+ *   q    int4: rows32 bytes [N, K/2]; int8: int8 [N, K]; bf16: bf16 [N, K]
+ *   sz   int4: bf16 (scale, zero) [K/g, N, 2]; int8: bf16 scales [N]; bf16: unused
+ *   bias bf16 [N] or NULL
+ *   res, rsc  a split int4 linear's second plane (formats/constants.py), else NULL: rows32 codes
+ *        r [N, K/2] and bf16 scales [N, K/g]; stored weight = (q - 8) s + z + (r - 8) rs.
+ *        Products read the first plane only; the head refinement and embedding rows add it. */
+#define SQ_LINEAR_FIELDS(F)                                                                       \
+    F(const uint8_t *, q) F(const uint16_t *, sz) F(const uint16_t *, bias) F(int64_t, kind)     \
+    F(int64_t, n) F(int64_t, k) F(int64_t, g) F(const uint8_t *, res) F(const uint16_t *, rsc)
+
+/* one decoder layer: its linears, norms (bf16 [D] or NULL), RoPE tables (bf16 [rope_len, rot]),
+ * its bf16 KV cache [kv_heads, cap, head_dim], rotary dims, sliding window (0 = full). */
+#define SQ_LAYER_FIELDS(F)                                                                        \
+    F(sq_linear, qkv) F(sq_linear, o) F(sq_linear, gate_up) F(sq_linear, down)                    \
+    F(const uint16_t *, attn_norm) F(const uint16_t *, mlp_norm) F(const uint16_t *, post_attn_norm) \
+    F(const uint16_t *, post_mlp_norm) F(const uint16_t *, q_norm) F(const uint16_t *, k_norm)    \
+    F(const uint16_t *, cos) F(const uint16_t *, sin) F(uint16_t *, kcache) F(uint16_t *, vcache) \
+    F(int64_t, rot) F(int64_t, window)
+
+/* the model: shape, act (0 SiLU, 1 GELU-tanh), norm_offset (1: (1 + w) norms), refine_top (top
+ * logits recomputed exactly), embed_mult (0 = off), the layers, head, embedding (the head's
+ * linear when tied) and the final norm. */
+#define SQ_MODEL_FIELDS(F)                                                                        \
+    F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
+    F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
+    F(int64_t, refine_top) F(double, eps) F(double, attn_scale) F(double, embed_mult)             \
+    F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)
+
+#define SQ_FIELD_DECL(type, name) type name;
+typedef struct { SQ_LINEAR_FIELDS(SQ_FIELD_DECL) } sq_linear;
+typedef struct { SQ_LAYER_FIELDS(SQ_FIELD_DECL) } sq_layer;
+typedef struct { SQ_MODEL_FIELDS(SQ_FIELD_DECL) } sq_model;
+
+#endif

@@ -1,0 +1,138 @@
+/* What every C-core file shares: the instruction-set switches and the vector helpers.
+ *
+ * SQ_AVX2 (AVX2 + FMA), SQ_AVX512 (AVX512 F/BW/VL + VNNI) and SQ_BF16 (AVX512-BF16) follow the
+ * compiler's target (-march=native, narrowed per build by runtime/core/builds.py); SQ_SCALAR forces
+ * the portable C everywhere and SQ_EXACT (with it) fp32 activations (the tests' A8-free reference). */
+#ifndef SQ_SIMD_H
+#define SQ_SIMD_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(SQ_SCALAR)
+#define SQ_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SQ_AVX512 1 /* int4 products with VNNI (vpdpbusd), 128 columns per instruction pair */
+#if defined(__AVX512BF16__)
+#define SQ_BF16 1 /* prefill GEMM: int4 row blocks dequantized to bf16, vdpbf16ps (gemm_bf16.c) */
+#endif
+#endif
+#include <immintrin.h>
+#endif
+#include "sq_abi.h"
+
+static inline float bf(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+static inline uint16_t to_bf(float f) { /* round to nearest even, like torch */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+#ifdef SQ_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#ifdef SQ_AVX2
+/* e^x for x <= 0 (scores minus their max; -g of SiLU is clamped): Cephes' polynomial,
+ * ~2 ulp; below -87.3 the result is 0. exp16 (AVX512) runs the same arithmetic on 16 lanes. */
+static const float EXP_P[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                               4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P[i]));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline __m256 load_bf8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+#ifdef SQ_AVX512
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P[i]));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* the first `left` of 16 lanes (none when left <= 0): a 16-row vector's rows before N, a tail's keys */
+static inline __mmask16 rows_mask(int64_t left) {
+    return left <= 0 ? 0 : left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+}
+#endif
+
+#ifdef SQ_AVX2
+/* rows ahead of the current one whose bytes the row loops prefetch: `bytes` worth, at least 2 */
+static inline int64_t rows_ahead(int64_t rowbytes, int64_t bytes) {
+    const int64_t r = (bytes + rowbytes - 1) / rowbytes;
+    return r > 2 ? r : 2;
+}
+
+
+/* 8 fp32 -> 8 bf16, round to nearest even (NaN stays NaN), as to_bf */
+static inline __m128i to_bf8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+#endif
+
+/* n floats -> bf16 (to_bf on 16 lanes where AVX512 is: the same rounding, the same NaN) */
+static inline void to_bf_n(const float *x, uint16_t *out, int64_t n) {
+    int64_t j = 0;
+#ifdef SQ_AVX512
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), absm = _mm512_set1_epi32(0x7fffffff);
+    for (; j + 16 <= n; j += 16) {
+        const __m512i u = _mm512_loadu_si512((const void *)(x + j));
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), _mm512_set1_epi32(0x7f800000));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256((__m256i *)(out + j), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+    for (; j < n; j++) out[j] = to_bf(x[j]);
+}
+
+#endif

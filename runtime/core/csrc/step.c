@@ -1,0 +1,85 @@
+/* The decode step (sq_step: one token through every layer and the head) and the head alone
+ * (sq_head: the logits of a final-normed hidden state, the tail of sq_step). */
+/* One decode step: token at position pos -> logits fp32 [vocab]. x is fp32 [hidden] scratch.
+ * Returns 0, or -1 if pos is outside the cache. */
+int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x, float *logits) {
+    sq_work *w = work;
+    if (pos < 0 || pos >= m->cap) return -1;
+    const int64_t E = m->hidden, I = m->inter;
+    const int off = (int)m->norm_offset;
+    /* one parallel region per token: `single` blocks for the serial parts, worksharing loops
+     * for the products and attention (each ends in a barrier), no fork/join per product */
+#pragma omp parallel
+    {
+#pragma omp single
+        {
+            embed_row(&m->embed, token, x);
+            if (m->embed_mult != 0.0)
+                for (int64_t i = 0; i < E; i++) x[i] = bf(to_bf(x[i] * (float)m->embed_mult));
+        }
+        for (int64_t li = 0; li < m->layers; li++) {
+            const sq_layer *L = &m->layer[li];
+#pragma omp single
+            {
+                rms_norm(x, L->attn_norm, E, m->eps, off, w->xn);
+                prep(&L->qkv, w->xn, &w->a);
+            }
+            products(&L->qkv, &w->a, w->qkv);
+#pragma omp for schedule(static)
+            for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
+            attention(m, L, w, pos);
+#pragma omp single
+            prep(&L->o, w->att, &w->a);
+            products(&L->o, &w->a, w->h);
+#pragma omp single
+            {
+                add_residual(m, L->post_attn_norm, w->h, x);
+                rms_norm(x, L->mlp_norm, E, m->eps, off, w->xn);
+                prep(&L->gate_up, w->xn, &w->a);
+            }
+            products(&L->gate_up, &w->a, w->gu);
+#pragma omp single
+            {
+                silu_mul(w->gu, I, (int)m->act, w->mid);
+                prep(&L->down, w->mid, &w->a);
+            }
+            products(&L->down, &w->a, w->h);
+#pragma omp single
+            {
+                add_residual(m, L->post_mlp_norm, w->h, x);
+            }
+        }
+#pragma omp single
+        {
+            rms_norm(x, m->final_norm, E, m->eps, off, w->xn);
+            prep(&m->head, w->xn, &w->a);
+        }
+        products(&m->head, &w->a, logits); /* a final softcap, if any, is applied by the caller */
+        if (m->head.res) {
+#pragma omp single
+            split_select(&m->head, w, w->xn, logits, m->refine_top);
+            split_rows(&m->head, w, w->xn, logits);
+        } else {
+#pragma omp single
+            refine_top(&m->head, w->xn, logits, m->refine_top);
+        }
+    }
+    return 0;
+}
+
+/* Logits fp32 [vocab] from a final-normed hidden state xn [hidden] (what sq_prefill returns):
+ * the tail of sq_step (head product, top logits recomputed exactly). */
+int sq_head(const sq_model *m, void *work, const float *xn, float *logits) {
+    sq_work *w = work;
+    prep(&m->head, xn, &w->a);
+#pragma omp parallel
+    products(&m->head, &w->a, logits);
+    if (m->head.res) {
+        split_select(&m->head, w, xn, logits, m->refine_top);
+#pragma omp parallel
+        split_rows(&m->head, w, xn, logits);
+    } else {
+        refine_top(&m->head, xn, logits, m->refine_top);
+    }
+    return 0;
+}

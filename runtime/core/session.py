@@ -1,0 +1,169 @@
+"""One model described to the C core, from numpy arrays or torch tensors alike.
+
+``Session`` fills the C structs once (pointers into the caller's buffers: the artifact's
+mapping, the KV cache, the RoPE tables; nothing is copied) and runs the three calls both
+runtimes are made of: ``prefill`` (a prompt's tokens through every layer, K/V cached),
+``step`` (one token -> logits) and ``head`` (a final-normed hidden state -> logits), with
+numpy results. A final softcap, where the model has one, is applied here, so both runtimes
+return the same bits.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from sparkq.formats import constants as C
+
+from ..common import REFINE_SPLIT, REFINE_TOP, check_ids
+from ..errors import RuntimeUserError
+from . import abi
+from .lib import kind_code
+
+# prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
+# ~48 MiB fp32 for 512 tokens, from the buffer sizes) while each chunk reads every weight once
+# (and, on AVX512-BF16 CPUs, dequantizes it once: 512 against 256 tokens, pp512 at the 1.7B
+# shape 251 vs 239 tok/s; docs/performance.md)
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class CLinear:
+    """A linear's buffers as the C core reads them (csrc/sq_abi.h sq_linear): ``kind`` a
+    formats/constants.py KIND_*, ``g`` the int4 group size (0 otherwise)."""
+    kind: str
+    n: int
+    k: int
+    g: int
+    q: object
+    sz: object = None
+    bias: object = None
+    res: object = None
+    rsc: object = None
+
+
+def ptr(buf) -> int | None:
+    """The address of a contiguous numpy array or torch tensor (None stays None)."""
+    if buf is None:
+        return None
+    if hasattr(buf, "data_ptr"):  # torch, without importing it
+        if not buf.is_contiguous():
+            raise ValueError("the C core needs contiguous buffers")
+        return buf.data_ptr()
+    if not buf.flags.c_contiguous:
+        raise ValueError("the C core needs contiguous buffers")
+    return buf.ctypes.data
+
+
+def linear_struct(lib, lin: CLinear) -> abi.SqLinear:
+    return abi.SqLinear(ptr(lin.q), ptr(lin.sz), ptr(lin.bias), kind_code(lib, lin.kind), lin.n, lin.k, lin.g,
+                        ptr(lin.res), ptr(lin.rsc))
+
+
+class Session:
+    """The C core over one model's buffers.
+
+    linears: name -> CLinear (formats names: layers.L.qkv ..., lm_head, embed if untied);
+    vectors: name -> bf16 buffer (norms, the qkv bias); ropes: per layer (cos, sin) bf16
+    [rope_len, rotary_dim]; kcache, vcache: per layer bf16 [kv_heads, cap, head_dim]."""
+
+    def __init__(self, lib, spec, linears: dict, vectors: dict, ropes: list, kcache, vcache, cap: int, *,
+                 threads: int, attn_scale: float, embed_mult: float = 0.0):
+        self.lib, self.spec, self.cap, self.threads = lib, spec, cap, int(threads)
+        self.prefill_chunk = PREFILL_CHUNK
+        self._keep = [linears, vectors, ropes, kcache, vcache]  # every buffer the structs point into
+        layers = (abi.SqLayer * spec.layers)()
+        for i in range(spec.layers):
+            L = layers[i]
+            qkv = linears[f"layers.{i}.qkv"]
+            if spec.qkv_bias:
+                qkv = CLinear(**{**qkv.__dict__, "bias": vectors[f"layers.{i}.qkv.bias"]})
+            L.qkv = linear_struct(lib, qkv)
+            L.o, L.gate_up, L.down = (linear_struct(lib, linears[f"layers.{i}.{p}"]) for p in ("o", "gate_up", "down"))
+            for f in abi.LAYER_NORMS:
+                setattr(L, f, ptr(vectors.get(f"layers.{i}.{f}.weight")))
+            _, rot, window = spec.layer_attention(i)
+            L.cos, L.sin = ptr(ropes[i][0]), ptr(ropes[i][1])
+            L.rot, L.window = rot, window or 0
+            L.kcache, L.vcache = ptr(kcache[i]), ptr(vcache[i])
+        head = linears[C.ROLE_LM_HEAD]
+        m = self.m = abi.SqModel()
+        m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim = spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
+        m.inter, m.vocab, m.cap = spec.intermediate, head.n, cap
+        m.act = 0 if spec.act == "silu" else 1
+        m.norm_offset = int(bool(spec.norm_offset))
+        # the top logits are recomputed exactly (a split head: from both planes), as the torch
+        # runtime's Model._refine_top / _refine_split do
+        m.refine_top = REFINE_SPLIT if head.res is not None else REFINE_TOP
+        m.eps, m.attn_scale, m.embed_mult = spec.rms_eps, attn_scale, embed_mult
+        self.layers = layers
+        m.layer = ctypes.cast(layers, ctypes.POINTER(abi.SqLayer))
+        m.head, m.embed = linear_struct(lib, head), linear_struct(lib, linears.get(C.ROLE_EMBED, head))
+        m.final_norm = ptr(vectors["norm.weight"])
+        self.vocab, self.embed_rows = head.n, m.embed.n
+        lib.sq_set_threads(self.threads)
+        self.work = lib.sq_work_new(ctypes.byref(m))
+        if not self.work:
+            raise MemoryError("sq_work_new: out of memory")
+        self.x = np.empty(spec.hidden, np.float32)
+        self.logits = np.empty(head.n, np.float32)
+
+    def __del__(self):
+        if getattr(self, "work", None):
+            self.lib.sq_work_free(self.work)
+            self.work = None
+
+    def _softcap(self, logits: np.ndarray) -> np.ndarray:
+        c = self.spec.final_softcap
+        if c:
+            np.tanh(logits / c, out=logits)
+            logits *= c
+        return logits
+
+    def step(self, token: int, pos: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Logits fp32 [vocab] of one token at pos (its K/V cached), in ``out`` or the session's
+        buffer (overwritten by the next call)."""
+        if not 0 <= pos < self.cap:
+            raise RuntimeUserError(f"position {pos} is beyond the KV cache ({self.cap} tokens)")
+        check_ids(int(token), self.embed_rows)
+        out = self.logits if out is None else out
+        self.lib.sq_set_threads(self.threads)
+        self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.ctypes.data, ptr(out))
+        return self._softcap(out)
+
+    def prefill(self, ids, pos0: int = 0, last_only: bool = True) -> np.ndarray:
+        """Final-normed hidden states fp32 [T, hidden] (or [1, hidden] of the last) of prompt
+        tokens at pos0.., every token's K/V cached."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise RuntimeUserError("empty prompt: give at least one token of text")
+        check_ids((int(ids.min()), int(ids.max())), self.embed_rows)
+        out = np.empty((1 if last_only else ids.size, self.spec.hidden), np.float32)
+        self.lib.sq_set_threads(self.threads)
+        rc = self.lib.sq_prefill(ctypes.byref(self.m), ids.ctypes.data, ids.size, int(pos0), self.prefill_chunk,
+                                 out.ctypes.data, int(not last_only))
+        if rc == -2:
+            raise RuntimeUserError(f"positions {pos0}..{pos0 + ids.size - 1} are beyond the KV cache ({self.cap} tokens)")
+        if rc:
+            raise MemoryError("sq_prefill could not allocate its activation buffers")
+        return out
+
+    def head(self, xn, out: np.ndarray | None = None) -> np.ndarray:
+        """Logits fp32 [vocab] of one final-normed hidden state (the tail of sq_step)."""
+        xn = np.ascontiguousarray(xn, dtype=np.float32).reshape(-1)
+        out = self.logits if out is None else out
+        self.lib.sq_set_threads(self.threads)
+        self.lib.sq_head(ctypes.byref(self.m), self.work, xn.ctypes.data, ptr(out))
+        return self._softcap(out)
+
+    def prompt(self, ids, pos0: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+        """Logits of the last of ``ids`` (at pos0..), every token's K/V cached."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 1:
+            return self.step(int(ids[0]), pos0, out)
+        return self.head(self.prefill(ids, pos0, True), out)
+
+
+def attn_scale(spec) -> float:
+    return spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)
