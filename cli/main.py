@@ -1,28 +1,32 @@
-"""Console entry points: ``spark-convert`` and ``sparkq``.
+"""Console entry points: ``spark-convert`` and ``sparkq`` (typer). What they print is in render.py.
 
-Every user-facing failure is one line on stderr (``error: ...``) and exit code 2.
+Every user-facing failure is one line on stderr (``error: ...``) and exit code 2. ``pip install
+sparkq`` gives the torch-free runtime (``sparkq generate`` of rows32 artifacts, inspect, verify,
+upload); conversion and the torch runtime need ``pip install 'sparkq[convert]'``.
 """
 from __future__ import annotations
 
 import json
 import sys
+from importlib.util import find_spec
+from pathlib import Path
 from typing import Optional
 
 import typer
+
+from . import render as R
 
 convert_app = typer.Typer(add_completion=False, help="Convert a bf16 HF checkpoint, Hub repo id or GGUF file into a sparkq int4 artifact.")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="sparkq: run small LLMs on CPUs with little RAM.")
 
 
 def _user_errors():
-    from sparkq.convert.errors import ConvertError
     from sparkq.formats import ArtifactError, LayoutError, SpecError
-    errs = [ConvertError, ArtifactError, LayoutError, SpecError]
-    try:
-        from sparkq.runtime.errors import RuntimeUserError
-        errs.append(RuntimeUserError)
-    except ImportError:  # pragma: no cover
-        pass
+    from sparkq.runtime.errors import RuntimeUserError
+    errs = [ArtifactError, LayoutError, SpecError, RuntimeUserError, R.PlotUnavailable]
+    if find_spec("torch") is not None:
+        from sparkq.convert.errors import ConvertError
+        errs.append(ConvertError)
     return tuple(errs)
 
 
@@ -40,51 +44,40 @@ def _run(fn, *a, **kw):
         _fail("interrupted; nothing was written")
 
 
+def have_torch() -> bool:
+    return find_spec("torch") is not None
+
+
+def _need_convert_extra(what: str, modules=("torch", "gguf")) -> None:
+    missing = [m for m in modules if find_spec(m) is None]
+    if missing:
+        _fail(f"{what} needs {' and '.join(missing)}: pip install 'sparkq[convert]' "
+              "(install torch==2.13.0 first for the CPU build)")
+
+
 def _prefill_mode(v: str) -> bool | None:
-    from sparkq.runtime.weights import PREFILL_MODES
+    from sparkq.runtime.options import PREFILL_MODES
 
     if v not in PREFILL_MODES:
         _fail(f"--prefill {v!r}: use one of {', '.join(PREFILL_MODES)}")
     return PREFILL_MODES[v]
 
 
-def _mib(b: float) -> str:
-    return f"{b / 2**20:,.1f} MiB"
+def _save(target: str, kind: str, result: dict) -> None:
+    """Store a measurement inside the artifact (measurements/KIND.json) for its model card."""
+    import os
+
+    d = Path(target)
+    if not (d / "sparkq.json").is_file():
+        _fail(f"--save needs a local artifact directory, not {target!r}")
+    (d / "measurements").mkdir(exist_ok=True)
+    tmp = d / "measurements" / f".{kind}.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, d / "measurements" / f"{kind}.json")
 
 
-def _table(rows: list[tuple[str, str]]) -> str:
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
-
-
-def print_convert_summary(s: dict) -> None:
-    src = s["source"]
-    rows = [
-        ("source", f"{src.get('kind')}: {src.get('id')}" + (f"@{src['revision']}" if src.get("revision") else "")),
-        ("output", s["output"]),
-        ("family / method", f"{s['family']} / {s['method']}"),
-        ("layout", s["layout"]),
-        ("tensors", str(s["tensors"])),
-        ("source -> artifact", f"{_mib(s['source_bytes'])} -> {_mib(s['artifact_bytes'])} "
-                               f"({s['artifact_bytes'] / max(1, s['source_bytes']):.1%})"),
-        ("bits / weight", f"{s['bits_per_weight']:.3f} (whole file, {s['parameters']:,} params)"),
-        ("tied embedding", "yes, stored once (lm_head)" if s["tied_embeddings"] else "no (embed + lm_head)"),
-        ("group sizes", ", ".join(f"{k}: {v} linears" for k, v in s["group_sizes"].items())),
-        ("group size by role", ", ".join(f"{k}={v}" for k, v in s["group_size_by_role"].items())),
-    ]
-    for role, e in s["rel_error_by_role"].items():
-        rows.append((f"rel. error {role}", f"mean {e['mean']:.4f}, max {e['max']:.4f}"))
-    if s.get("calibration"):
-        c = s["calibration"]
-        rows.append(("calibration", f"{c['tokens']} tokens of {c['file']} from char {c['start_char']:,}; "
-                                    f"forward {c['forward_seconds']:.1f} s"))
-    rows += [
-        ("time", f"{s['seconds']:.1f} s"),
-        ("peak RSS (sampled)", f"{s['peak_rss_mib']:.0f} MiB (at start {s['start_rss_mib']:.0f} MiB); anonymous "
-                               f"{s['peak_rss_anon_mib']:.0f} MiB (at start {s['start_rss_anon_mib']:.0f} MiB)"),
-        ("largest source tensor", f"{s['largest_source_tensor_mib']:.1f} MiB"),
-    ]
-    typer.echo("sparkq conversion summary\n" + _table(rows))
+def _plot(path: str, title: str, groups: dict, ylabel: str) -> None:
+    _run(R.plot, path, title, groups, ylabel)
 
 
 @convert_app.command()
@@ -111,6 +104,7 @@ def convert(
                                              "when SOURCE is not a Hub repo id (e.g. a GGUF)"),
 ):
     """Convert SOURCE into a sparkq int4 artifact at OUT."""
+    _need_convert_extra("spark-convert")
     from sparkq.convert.pipeline import Options
     from sparkq.convert.pipeline import convert as do_convert
 
@@ -122,7 +116,7 @@ def convert(
     if as_json:
         typer.echo(json.dumps(s, indent=1))
     else:
-        print_convert_summary(s)
+        typer.echo(R.convert_summary(s))
         if push_to_hub:
             u = s["upload"]
             typer.echo(f"  uploaded             {u['repo']}@{u['revision']} {u['variant']}/ (commit {u['commit'][:12]})")
@@ -134,18 +128,7 @@ def inspect(artifact: str, as_json: bool = typer.Option(False, "--json")):
     from sparkq.formats import Artifact
 
     s = _run(lambda: Artifact.open(artifact).summary())
-    if as_json:
-        typer.echo(json.dumps(s, indent=1))
-        return
-    rows = [("artifact", s["path"]), ("format version", str(s["format_version"])), ("layout", s["layout"]),
-            ("family / method", f"{s['family']} / {s['method']}"),
-            ("tied embedding", str(s["tied_embeddings"])),
-            ("source", json.dumps(s["source"])),
-            ("group sizes", ", ".join(f"{k}: {v}" for k, v in s["group_sizes"].items())),
-            ("weights file", _mib(s["weights_file_bytes"])),
-            ("bits / weight", f"{s['bits_per_weight']:.3f} overall, {s['bits_per_weight_linears']:.3f} quantized linears")]
-    rows += [(f"bytes {k}", _mib(v)) for k, v in s["bytes_by_role"].items()]
-    typer.echo(_table(rows))
+    typer.echo(json.dumps(s, indent=1) if as_json else R.inspect_summary(s))
 
 
 @app.command()
@@ -160,7 +143,7 @@ def verify(artifact: str):
         bad = art.verify(progress=bar.update)
     if bad:
         _fail(f"tensor {bad!r} does not match its sha256 in the manifest: the artifact is corrupt, re-download or re-convert it")
-    typer.echo(f"ok: {len(art.manifest.tensors)} tensors verified ({_mib(size)})")
+    typer.echo(f"ok: {len(art.manifest.tensors)} tensors verified ({R.mib(size)})")
 
 
 @app.command()
@@ -174,7 +157,7 @@ def upload(artifact: str, repo_id: str, private: bool = typer.Option(False, "--p
 
     u = _run(do_upload, artifact, repo_id, private=private, revision=revision, base_model=base_model)
     typer.echo(json.dumps(u, indent=1) if as_json else
-               _table([("repo", f"{u['repo']}@{u['revision']}"), ("variant", f"{u['variant']}/ ({', '.join(u['variants'])} in repo)"),
+               R.table([("repo", f"{u['repo']}@{u['revision']}"), ("variant", f"{u['variant']}/ ({', '.join(u['variants'])} in repo)"),
                        ("commit", u["commit"]), ("message", u["commit_message"]), ("files", str(u["files"]))]))
 
 
@@ -182,33 +165,60 @@ def upload(artifact: str, repo_id: str, private: bool = typer.Option(False, "--p
 def import_gguf(gguf_file: str, out_dir: str, force: bool = typer.Option(False, "--force"),
                 as_json: bool = typer.Option(False, "--json")):
     """Write the standard bf16 HF checkpoint (config, safetensors, tokenizer, chat template) of a GGUF file."""
+    _need_convert_extra("sparkq import-gguf")
     from sparkq.convert.pipeline import import_gguf as do_import
 
     s = _run(do_import, gguf_file, out_dir, force, not as_json)
     if as_json:
         typer.echo(json.dumps(s, indent=1))
     else:
-        typer.echo(_table([("source", s["source"]["id"]), ("output", s["output"]), ("tensors", str(s["tensors"])),
-                           ("weights", _mib(s["bytes"])), ("files", ", ".join(s["files"])),
+        typer.echo(R.table([("source", s["source"]["id"]), ("output", s["output"]), ("tensors", str(s["tensors"])),
+                           ("weights", R.mib(s["bytes"])), ("files", ", ".join(s["files"])),
                            ("time", f"{s['seconds']:.1f} s")]))
 
 
-def convert_main():  # console script: spark-convert
-    convert_app()
+def _rows32_artifact(model: str) -> bool | None:
+    """True/False for a local artifact (rows32 or not), None for anything else (a Hub repo id, a
+    bf16 checkpoint, a missing path: the loaders say what it is)."""
+    m = Path(model) / "sparkq.json"
+    if not m.is_file():
+        return None
+    try:
+        from sparkq.formats.layout import ROWS32
+        return json.loads(m.read_text()).get("layout") == ROWS32
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
-def sparkq_main():  # console script: sparkq
-    app()
+def _open(model: str, runtime: str, prefill: str, **kw):
+    """The model on the runtime ``generate`` picks: the torch-free one for rows32 artifacts (and Hub
+    repos, which it fetches the rows32 variant of), the torch runtime for torch's int4 layouts,
+    bf16 checkpoints, ``--torch`` or ``--prefill kernel|dequant``."""
+    from sparkq.runtime.errors import RuntimeUserError
 
-
-def _rss_mib() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssFile:", "VmHWM:")):
-                k, v = line.split(":", 1)
-                out[k] = int(v.split()[0]) / 1024
-    return out
+    if runtime == "auto":
+        rows32 = _rows32_artifact(model)
+        bf16_dir = rows32 is None and (Path(model) / "config.json").is_file()
+        runtime = "torch" if prefill != "auto" or rows32 is False or bf16_dir else "lite"
+        # a Hub repo without a rows32 variant, or no C compiler here: the torch runtime where installed
+        fallback = have_torch() and not bf16_dir
+    else:
+        fallback = False
+    if runtime == "lite":
+        if prefill != "auto":
+            _fail("--prefill applies to the torch runtime (--torch); the torch-free runtime's prompts go through the C prefill")
+        from sparkq.runtime import load_lite
+        try:
+            return load_lite(model, **kw)
+        except RuntimeUserError as e:
+            if not fallback:
+                _fail(str(e))
+    if not have_torch():
+        what = "a bf16 checkpoint" if (Path(model) / "config.json").is_file() and _rows32_artifact(model) is None \
+            else "an artifact in torch's int4 layout" if _rows32_artifact(model) is False else "the torch runtime"
+        _fail(f"{model} needs the torch runtime ({what}): pip install 'sparkq[convert]' (torch==2.13.0 first)")
+    from sparkq.runtime import load
+    return _run(load, model, prefill_dequant=_prefill_mode(prefill), **kw)
 
 
 @app.command()
@@ -223,24 +233,18 @@ def generate(
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="default: min(2048, max_position_embeddings)"),
     kv_budget_mib: float = typer.Option(192, "--kv-budget-mib"),
     threads: Optional[int] = typer.Option(None, "--threads"),
-    prefill: str = typer.Option("auto", "--prefill", help="prompt products of int4 linears above 64 rows: auto "
-                                "(the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant (fp32 activations, no A8)"),
+    prefill: str = typer.Option("auto", "--prefill", help="torch runtime: prompt products of int4 linears above 64 "
+                                "rows: auto (the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token ids, stats)"),
-    lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (rows32 artifacts, C core, numpy): "
-                              "~200 MiB less memory; prompts always through the C prefill"),
+    lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (the default for rows32 artifacts)"),
+    use_torch: bool = typer.Option(False, "--torch", help="the torch runtime (the default for torch's int4 layouts "
+                                   "and bf16 checkpoints; needs sparkq[convert])"),
 ):
     """Generate text; streams tokens, then prints one stats line."""
-    if lite:
-        from sparkq.runtime import load_lite
-
-        if prefill != "auto":
-            _fail("--prefill applies to the torch runtime; drop it with --lite (prompts go through the C prefill)")
-        m = _run(load_lite, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads)
-    else:
-        from sparkq.runtime import load
-
-        m = _run(load, model, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads,
-                 prefill_dequant=_prefill_mode(prefill))
+    if lite and use_torch:
+        _fail("--lite and --torch exclude each other")
+    m = _open(model, "lite" if lite else "torch" if use_torch else "auto", prefill,
+              max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads)
     hub = m.info.extra.get("hub")
     if hub and not as_json:
         typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)
@@ -248,7 +252,7 @@ def generate(
     if as_json:
         r = _run(m.generate, prompt, chat=chat, **kw)
         r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout, hub=hub,
-                          threads=_threads(m), rss_mib=_rss_mib())
+                          threads=_threads(m), rss_mib=_rss_mib(), runtime=_runtime(m))
         typer.echo(json.dumps(r))
         return
 
@@ -258,55 +262,24 @@ def generate(
             sys.stdout.flush()
 
     _run(run_stream)
-    st, rss = m.last_stats, _rss_mib()
-    typer.echo(f"\n[load {m.info.load_seconds:.2f} s | prefill {st.prompt_tokens} tok {st.prefill_tok_s:.1f} tok/s | "
-               f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | RSS anon {rss['RssAnon']:.0f} MiB + "
-               f"file {rss['RssFile']:.0f} MiB (peak {rss['VmHWM']:.0f}) | threads {_threads(m)} | "
-               f"layout {m.info.layout or 'bf16 checkpoint'} | decode path {m.info.extra.get('decode_path', '?')} | "
-               f"prefill path {m.info.extra.get('prefill_path', '?')}]", err=True)
+    typer.echo("\n" + R.generate_stats(m, _rss_mib(), _threads(m)), err=True)
 
 
-def torch_threads() -> int:
-    import torch
-    return torch.get_num_threads()
+def _rss_mib() -> dict:
+    from sparkq.runtime.procmem import rss_kib
+    return {k: v / 1024 for k, v in rss_kib().items()}
+
+
+def _runtime(m) -> str:
+    return "lite" if "lite" in m.info.extra.get("decode_path", "") else "torch"
 
 
 def _threads(m) -> int:
     """The loaded model's thread count (the torch-free runtime records its own; torch's otherwise)."""
-    return m.info.extra["threads"] if "threads" in m.info.extra else torch_threads()
-
-
-def _save(target: str, kind: str, result: dict) -> None:
-    """Store a measurement inside the artifact (measurements/KIND.json) for its model card."""
-    import os
-    from pathlib import Path
-
-    d = Path(target)
-    if not (d / "sparkq.json").is_file():
-        _fail(f"--save needs a local artifact directory, not {target!r}")
-    (d / "measurements").mkdir(exist_ok=True)
-    tmp = d / "measurements" / f".{kind}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, d / "measurements" / f"{kind}.json")
-
-
-def _plot(path: str, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> None:
-    """A grouped bar chart as PNG (matplotlib, optional: `pip install matplotlib`)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _fail("--plot needs matplotlib: pip install matplotlib")
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, (name, vals) in zip(axes[0], groups.items()):
-        ax.bar(list(vals), list(vals.values()), color="#4c72b0")
-        ax.set_title(name)
-        ax.set_ylabel(ylabel if ax is axes[0][0] else "")
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    if "threads" in m.info.extra:
+        return m.info.extra["threads"]
+    import torch
+    return torch.get_num_threads()
 
 
 @app.command()
@@ -322,6 +295,7 @@ def memory(
     save: bool = typer.Option(False, "--save", help="store the result in ARTIFACT/measurements/ (model card)"),
 ):
     """Memory ledger (by storage, mincore residency), process stages, peak vs settled."""
+    _need_convert_extra("sparkq memory", ("torch",))
     from sparkq.runtime.memory import run
 
     r = _run(run, artifact, kv_budget_mib=kv_budget_mib, max_model_len=max_model_len,
@@ -335,19 +309,7 @@ def memory(
     if as_json:
         typer.echo(json.dumps(r, indent=1))
         return
-    lines = [f"sparkq memory: {artifact}  ({', '.join(f'{k}={v}' for k, v in r['settings'].items())})", "",
-             f"  {'category':16} {'regions':>7} {'bytes':>12} {'resident':>12} {'file':>12} {'anon':>12}"]
-    rows = list(r["ledger"]["categories"].items()) + [("total", r["ledger"]["total"])]
-    for k, c in rows:
-        lines.append(f"  {k:16} {c['regions']:>7} {_mib(c['bytes']):>12} {_mib(c['resident']):>12} "
-                     f"{_mib(c['resident_file']):>12} {_mib(c['resident_anon']):>12}")
-    lines += ["", f"  {'stage':18} {'RssAnon':>10} {'RssFile':>10} {'PSS':>10}"]
-    for s in r["stages"]:
-        lines.append(f"  {s['stage']:18} {s['rss_anon_mib']:>7.1f} MiB {s['rss_file_mib']:>6.1f} MiB {s['pss_mib']:>6.1f} MiB")
-    lines += ["", f"  import cost: torch {r['import_cost_mib']['torch']:.1f} MiB, sparkq {r['import_cost_mib']['sparkq']:.1f} MiB",
-              f"  load + warm-up: peak {r['peak_mib']:.1f} MiB, settled {r['settled_mib']:.1f} MiB, "
-              f"transient {r['transient_mib']:.1f} MiB (sampled every 2 ms); load {r['load_s']:.3f} s"]
-    typer.echo("\n".join(lines))
+    typer.echo(R.memory_summary(artifact, r))
 
 
 @app.command()
@@ -368,6 +330,7 @@ def fidelity(
     """Top-1 agreement, KL(reference||artifact), perplexity, greedy reproductions."""
     from pathlib import Path
 
+    _need_convert_extra("sparkq fidelity", ("torch",))
     from sparkq.runtime.fidelity import fidelity as do_fidelity
 
     plist = None
@@ -382,15 +345,7 @@ def fidelity(
     if as_json:
         typer.echo(json.dumps(r, indent=1))
         return
-    tf, g = r["teacher_forced"], r["greedy"]
-    typer.echo(f"sparkq fidelity: {artifact} vs {reference}\n" + _table([
-        ("tokens (teacher-forced)", f"{tf['tokens']} in windows of {r['window']} (prefill {prefill})"),
-        ("top-1 agreement", f"{tf['top1_agreement']:.2%}"),
-        ("KL(ref || artifact)", f"mean {tf['kl_mean']:.4f}, p99 {tf['kl_p99']:.4f}"),
-        ("perplexity", f"artifact {tf['ppl_artifact']:.3f}, reference {tf['ppl_reference']:.3f}"),
-        ("greedy identical", f"{g['identical']}/{g['prompts']} ({g['new_tokens']} tokens each)"),
-        ("mean first divergence", f"{g['mean_first_divergence']:.1f} tokens"),
-    ]) + f"\n  note: {g['caveat']}")
+    typer.echo(R.fidelity_summary(artifact, reference, prefill, r))
 
 
 @app.command()
@@ -407,6 +362,7 @@ def bench(
     save: bool = typer.Option(False, "--save", help="store the result in MODEL/measurements/ (model card)"),
 ):
     """Decode/prefill tok/s, load, TTFT, peak/settled RSS: interleaved arms, medians and spread."""
+    _need_convert_extra("sparkq bench", ("torch",))
     from sparkq.runtime.bench import bench as do_bench
 
     r = _run(do_bench, model, arm, passes, threads, pp, tg, 16, llama_gguf,
@@ -420,30 +376,7 @@ def bench(
     if as_json:
         typer.echo(json.dumps(r, indent=1))
         return
-    typer.echo(format_bench(r))
-
-
-def format_bench(r: dict) -> str:
-    lines = [f"sparkq bench: {r['model']}", f"  threads {r['threads']}, OMP_WAIT_POLICY {r['omp_wait_policy']}, "
-             f"cpu {r['cpu_capability']}, {r['passes']} interleaved passes, medians [min..max]; "
-             f"read ceiling {r['read_ceiling_gb_s']:.1f} GB/s"
-             + (f" [{r['read_ceiling']['min']:.1f}..{r['read_ceiling']['max']:.1f}], probed before each arm's run; % ceiling = "
-                "median over passes of a run's GB/s over its own probe; ratios = medians of same-pass ratios" if "read_ceiling" in r else ""),
-             "",
-             f"  | arm | decode tg{r['tg']} tok/s | prefill pp{r['pp']} tok/s | load s | TTFT s | peak / settled RSS MiB "
-             f"| run peak / after RSS MiB (bound) | decode GB/s (% ceiling) | decode vs control | prefill vs control "
-             f"| decode path; prefill path |", "  |---|---|---|---|---|---|---|---|---|---|---|"]
-    for n, a in r["arms"].items():
-        def f(m, fmt):
-            return f"{format(a[m]['median'], fmt)} [{format(a[m]['min'], fmt)}..{format(a[m]['max'], fmt)}]"
-        lines.append(f"  | {n} | {f('tg_tok_s', '.1f')} | {f('pp_tok_s', '.0f')} | {f('load_s', '.3f')} | {f('ttft_s', '.3f')} "
-                     f"| {a['peak_rss_mib']['median']:.0f} / {a['settled_rss_mib']['median']:.0f} "
-                     f"| {a['run_peak_rss_mib']['max']:.0f} / {a['after_run_rss_mib']['median']:.0f}"
-                     f"{' (' + format(a['rss_bound_mib'], '.0f') + ')' if 'rss_bound_mib' in a else ''} "
-                     f"| {a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {a['ratio_to_control']['tg_tok_s']:.2f}x "
-                     f"| {a['ratio_to_control']['pp_tok_s']:.2f}x | {a.get('decode_path', '?')}"
-                     f"{'; prefill ' + a['prefill_path'] if a.get('prefill_path') else ''} |")
-    return "\n".join(lines)
+    typer.echo(R.format_bench(r))
 
 
 @app.command()
@@ -455,7 +388,15 @@ def synth(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Write a random-weight bf16 checkpoint of a real model shape (tied)."""
+    _need_convert_extra("sparkq synth", ("torch",))
     from sparkq.convert.synth import synth as do_synth
 
     r = _run(do_synth, shape, out_dir, seed, force, not as_json)
-    typer.echo(json.dumps(r, indent=1) if as_json else _table([(k, str(v)) for k, v in r.items()]))
+    typer.echo(json.dumps(r, indent=1) if as_json else R.table([(k, str(v)) for k, v in r.items()]))
+
+def convert_main():  # console script: spark-convert
+    convert_app()
+
+
+def sparkq_main():  # console script: sparkq
+    app()

@@ -11,16 +11,15 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, replace
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 import torch
 from sparkq.formats import constants as C
-from sparkq.formats.manifest import LinearEntry, Manifest
+from sparkq.formats.manifest import LinearEntry, Manifest, sparkq_version
 from sparkq.formats.layout import (LAYOUTS, ROWS32, LayoutError, check_shape, dequantize_codes, get_layout, host_layout,
                                    pack_rows)
-from sparkq.formats.procmem import RssSampler
+from sparkq.runtime.procmem import RssSampler
 from sparkq.formats.spec import (FEATURES, ModelSpec, SpecError, choose_group_size, linear_tensors, recipe_for_config,
                                  role_of)
 from sparkq.formats.tensorfile import TensorFileWriter
@@ -36,16 +35,9 @@ HEAD_MODES = ("int4", "int8", "bf16", "split")  # --head (split: int4 + a 4-bit 
 # SPLIT_DEFAULT: without --head, on the rows32 target (the C core's), a head/embedding the recipe
 # keeps in int8 is stored split instead: the same ~8-bit precision (example, 2048 tokens of
 # wikitext-2 against bf16: KL 0.1343 vs 0.1341, top-1 81.93% vs 81.59%, ppl 21.69 vs 21.77), and
-# the decode step reads the 4-bit plane: 1.7B shape decode +15% (README "Split head"). Other
+# the decode step reads the 4-bit plane: 1.7B shape decode +15% (docs/quality.md "Split head"). Other
 # targets (torch's int4 layouts, whose runtime gathers the refined rows slowly) keep int8.
 GPTQ_ROW_ELEMS = 4 << 20  # gptq: 16 MiB row blocks (its per-column loop runs once per block)
-
-
-def sparkq_version() -> str:
-    try:
-        return version("sparkq")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Publish an artifact to the Hugging Face Hub: ``sparkq upload`` and ``spark-convert --push-to-hub``.
 
 One repo holds one artifact per CPU layout (``<layout>/`` subfolders, see
-``sparkq.formats.hub``) and a generated model card at the root. Each upload is one
+``sparkq.formats.repo``) and a generated model card at the root. Each upload is one
 commit whose message names the source, the converter version and the layout.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
-from sparkq.formats.hub import variants_in
+from sparkq.formats.manifest import sparkq_version
+from sparkq.formats.repo import variants_in
 
 from .errors import ConvertError
-from .pipeline import sparkq_version
 
 MEASUREMENTS = "measurements"  # <artifact>/measurements/{memory,bench,fidelity}.json (sparkq ... --save)
 

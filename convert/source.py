@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 from sparkq.formats import constants as C
-from sparkq.formats.hub import HubError, is_repo_id, snapshot, split_repo
 from sparkq.formats.tensorfile import TensorFileError, read_header
+from sparkq.runtime.hub import HubError, is_repo_id, snapshot, split_repo
 
 from .errors import ConvertError
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import dequant_reference, make_llama  # noqa: E402
 from sparkq.convert.pipeline import Options, convert  # noqa: E402
-from sparkq.runtime import fastpath, load  # noqa: E402
+from sparkq.runtime import load  # noqa: E402
 from sparkq.runtime.model import rms_norm  # noqa: E402
 
 heads, hd = int(sys.argv[1]), (None if sys.argv[2] == "None" else int(sys.argv[2]))
@@ -43,14 +43,12 @@ def ref_hidden(L):
     return rms_norm(x, n["norm.weight"], s.rms_eps, s.norm_offset)
 
 
-def c_hidden(L, chunk):
-    fd.m.layers = L
-    old, fastpath.PREFILL_CHUNK = fastpath.PREFILL_CHUNK, chunk
+def c_hidden(L, chunk):  # fd: the model's core.Session; its struct's layer count cut to L
+    fd.m.layers, fd.prefill_chunk = L, chunk
     try:
-        return fd.prefill(t, 0, False).double()
+        return torch.from_numpy(fd.prefill(t.numpy(), 0, False)).double()
     finally:
-        fastpath.PREFILL_CHUNK = old
-        fd.m.layers = ref.spec.layers
+        fd.m.layers, fd.prefill_chunk = ref.spec.layers, 512
 
 def fmt(v):
     return " ".join(f"{x:.1e}" if x else "0" for x in v.tolist())

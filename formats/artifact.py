@@ -165,7 +165,7 @@ class Artifact:
         entries (seen here: ext4, Linux 6.18, FilePmdMapped = the whole file), so streaming the
         weights takes ~500x fewer TLB misses. Decode at the Qwen3-1.7B shape, the same artifact
         with its page cache in 2 MiB vs 4 KiB folios, 5 interleaved passes: +2.6% to +7% in every
-        pass (README "Huge pages for the weights"). spark-convert writes in aligned 4 MiB pieces
+        pass (docs/performance.md "Memory"). spark-convert writes in aligned 4 MiB pieces
         so that its output is cached in 2 MiB folios; a file cached in small folios (a download,
         a `cp`) keeps them until evicted. SPARKQ_THP=0 skips the advice."""
         if os.environ.get("SPARKQ_THP", "1") == "0" or not sys.platform.startswith("linux") or length <= 0:

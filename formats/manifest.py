@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from . import constants as C
 from .spec import FEATURES
+
+
+def sparkq_version() -> str:
+    """The installed sparkq's version (the manifest's converter stamp)."""
+    try:
+        return version("sparkq")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 class ManifestError(ValueError):

@@ -72,7 +72,7 @@ class TensorFileWriter:
 
     The bytes reach the file in whole, aligned STAGE-byte writes (the last one excepted): Linux
     (ext4, 6.18 here) then caches the file in 2 MiB folios, which the runtime's
-    MADV_HUGEPAGE mapping maps with PMD entries (README "Huge pages for the weights"); the
+    MADV_HUGEPAGE mapping maps with PMD entries (docs/performance.md "Memory"); the
     same bytes written in unaligned pieces of tensor size were cached in small folios. One
     staging buffer of STAGE bytes is the only extra memory."""
 

@@ -89,7 +89,7 @@ def decode_bytes_per_token(loaded) -> int:
 def _child_sparkq(a: dict) -> dict:
     import torch
 
-    from sparkq.formats.procmem import RssSampler
+    from sparkq.runtime.procmem import RssSampler
     from sparkq.runtime import load
 
     from sparkq.runtime.options import LabOptions
@@ -125,25 +125,12 @@ def _child_sparkq(a: dict) -> dict:
             "decode_path": m.info.extra.get("decode_path"), "prefill_path": m.info.extra.get("prefill_path")}
 
 
-def _procmem_without_torch():
-    """sparkq.formats.procmem loaded by path: importing the package would pull in torch
-    (~200 MiB) and inflate the llama.cpp arm's RSS."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "formats" / "procmem.py"
-    spec = importlib.util.spec_from_file_location("_sparkq_procmem", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _child_lite(a: dict) -> dict:
     """The torch-free runtime (runtime/lite.py): the same measurements as _child_sparkq; torch is
     never imported in this process (checked: its RSS is the point of the arm)."""
     import random
 
-    from sparkq.formats.procmem import RssSampler
+    from sparkq.runtime.procmem import RssSampler
     from sparkq.runtime.common import decode_read_bytes
     from sparkq.runtime.lite import load
 
@@ -185,7 +172,7 @@ def _child_llama(a: dict) -> dict:
 
     from llama_cpp import Llama
 
-    RssSampler = _procmem_without_torch().RssSampler
+    from sparkq.runtime.procmem import RssSampler  # sparkq.runtime does not import torch
 
     t0 = time.perf_counter()
     with RssSampler(0.002) as s:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparkq.formats.hub import is_repo_id
+from .hub import is_repo_id
 from sparkq.formats.spec import ModelSpec
 
 from .errors import RuntimeUserError
@@ -17,7 +17,7 @@ REFINE_TOP = 8  # top logits recomputed in fp32 per position (see Model._refine_
 # top logits per position are recomputed from both planes. Example, 2048 teacher-forced tokens,
 # KL against bf16 with the screen's top k recomputed: 0.1413 (16), 0.1385 (64), 0.1365 (256),
 # 0.1352 (1024), 0.1347 (2048), 0.1343 (4096), 0.1339 (all); the int8 head 0.1340 (scratch
-# script over the int8 artifact's hidden states, not kept; README "Split head")
+# script over the int8 artifact's hidden states, not kept; docs/quality.md "Split head")
 REFINE_SPLIT = 2048
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .api import load
 from .errors import RuntimeUserError
-from .weights import PREFILL_MODES
+from .options import PREFILL_MODES
 
 GREEDY_CAVEAT = ("greedy reproductions saturate: one early divergence changes everything after it, so counts "
                  "move in big steps and say little about small quality differences; prefer KL and top-1")

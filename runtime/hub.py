@@ -1,16 +1,50 @@
-"""Load an artifact by Hub repo id: fetch only the layout variant this host can run.
+"""The Hugging Face Hub: repo ids, snapshots, and loading an artifact by repo id (only the
+layout variant this host can run).
 
-Resolution goes through ``snapshot_download`` (HF cache; ``HF_HUB_OFFLINE``, ``HF_HOME`` and
-pinned revisions are honoured). The repo convention is in ``sparkq.formats.hub``.
+Resolution goes through ``huggingface_hub.snapshot_download`` (HF cache; ``HF_HUB_OFFLINE``,
+``HF_HOME`` and pinned revisions are honoured) and fetches only the files asked for. The repo
+convention is in ``sparkq.formats.repo``.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from sparkq.formats.hub import HubError, snapshot, split_repo, variant_patterns, variants_in
 from sparkq.formats.layout import ROWS32, LayoutError, host_layout
+from sparkq.formats.repo import variant_patterns, variants_in
 
 from .errors import RuntimeUserError
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+class HubError(ValueError):
+    pass
+
+
+def split_repo(spec: str) -> tuple[str, str | None]:
+    """``org/name[@revision]`` -> (repo id, revision or None)."""
+    repo, _, rev = spec.partition("@")
+    return repo, rev or None
+
+
+def is_repo_id(s: str) -> bool:
+    return bool(REPO_ID.match(s)) and not s.startswith((".", "/"))
+
+
+def snapshot(repo: str, revision: str | None, allow_patterns: list[str], force: bool = False) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=allow_patterns, force_download=force))
+    except RepositoryNotFoundError:
+        raise HubError(f"Hub repo {repo!r} not found (or private: log in with `hf auth login`)") from None
+    except LocalEntryNotFoundError:
+        raise HubError(f"Hub repo {repo!r} is not in the local HF cache and the Hub cannot be reached "
+                       "(or HF_HUB_OFFLINE is set); download it once online") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise HubError(f"Hub repo {repo!r}: download failed ({str(e).splitlines()[0]})") from None
 
 
 def _repo_variants(repo: str, revision: str | None, snap: Path) -> list[str]:

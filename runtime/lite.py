@@ -150,7 +150,8 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
         lib = core.load()
     except (core.KernelUnavailable, OSError) as e:
         fix = "unset SPARKQ_KERNEL" if os.environ.get("SPARKQ_KERNEL") else "install a C compiler"
-        raise RuntimeUserError(f"the torch-free runtime needs the C core ({e}); {fix} or drop --lite") from None
+        raise RuntimeUserError(f"the torch-free runtime needs the C core ({e}); {fix}, or use the torch runtime "
+                               "(sparkq generate --torch)") from None
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, art.spec.max_position)
     m = LiteModel(art, path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib,

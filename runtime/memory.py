@@ -58,7 +58,7 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
 
 
 def ledger(loaded) -> dict:
-    from sparkq.formats.procmem import resident_bytes
+    from sparkq.runtime.procmem import resident_bytes
 
     files = _file_ranges()
     seen: set[tuple[int, int]] = set()
@@ -80,7 +80,7 @@ def ledger(loaded) -> dict:
 
 
 def _proc_kib(path: str) -> dict[str, int]:
-    # read here, not through sparkq.formats.procmem: the first stages must not import sparkq/torch
+    # read here, not through sparkq.runtime.procmem: the first stages must not import sparkq/torch
     out = {}
     with open(path) as f:
         for line in f:
@@ -102,7 +102,7 @@ def child(args: dict) -> dict:
     import torch  # noqa: F401
     _stage("import torch", stages)
     import sparkq.runtime as rt
-    from sparkq.formats.procmem import RssSampler
+    from sparkq.runtime.procmem import RssSampler
     _stage("import sparkq", stages)
     from sparkq.runtime.options import LabOptions
 

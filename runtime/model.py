@@ -136,7 +136,7 @@ class Model:
         if t == 1:  # decode: the cache slice is exactly the visible window, no mask needed
             return self.lin[f"layers.{i}.o"](self._decode_attention(q, keys, vals))
         qh = q.transpose(0, 1)  # [H, T, D]
-        # a whole prompt from position 0 is plain causal: is_causal beats the same mask (README "Prefill")
+        # a whole prompt from position 0 is plain causal: is_causal beats the same mask (docs/performance.md "Prompt processing")
         causal, mask = start == pos0 == 0 and cfg.window is None, None
         if not causal:
             qpos = torch.arange(pos0, end)[:, None]

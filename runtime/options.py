@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# the torch runtime's `--prefill` names for load(prefill_dequant=...) (runtime/weights.py)
+PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
+
 
 @dataclass(frozen=True)
 class LabOptions:

@@ -13,6 +13,8 @@ import torch
 from sparkq.formats import constants as C
 from sparkq.formats.layout import dequantize_codes, dequantize_t, gather_rows, get_layout, residual_rows, unpack
 
+from .options import PREFILL_MODES  # noqa: F401  (the `--prefill` names of prefill_dequant)
+
 int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 # rows at or below this use the int4 kernel even with prefill_dequant
@@ -23,12 +25,10 @@ KERNEL_MAX_ROWS = 256  # measured crossover on the AVX2 box (README: prefill tab
 C_MAX_ROWS = 64
 # ... and above it, with prefill_dequant=None (auto), rows32 int4 linears with K >= C_GEMM_MIN_K
 # whose activations pair up for the AVX2 kernel (K and the group multiples of 64) still take the
-# C core's W4A8 GEMM: `python -m sparkq.cli.gemmbench` at 512 rows, against dequantize + fp32
+# C core's W4A8 GEMM: `python tools/gemmbench.py` at 512 rows, against dequantize + fp32
 # GEMM, over three runs: K=256 0.96x, K=384 1.10-1.25x, K=576 1.11-1.32x, K=1536 1.11-1.29x,
-# K=2048/6144 1.32-1.46x (README "Prefill").
+# K=2048/6144 1.32-1.46x (docs/performance.md "Prompt processing").
 C_GEMM_MIN_K = 384
-# the user-facing names of prefill_dequant's three values (`--prefill`)
-PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
 
 
 def prefill_dtype() -> torch.dtype:

@@ -2,12 +2,14 @@
 atomicity, streaming memory, errors, inspect/verify, and the transformers refusal."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,21 +260,6 @@ def test_truncated_artifact_refused(tiny_tied_art, tmp_path):
     assert p.returncode == 2 and "truncated" in p.stderr
 
 
-def test_wheel_has_only_sparkq_namespace(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(root)],
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-2000:]
-    import zipfile
-    whl = next(tmp_path.glob("sparkq-*.whl"))
-    names = zipfile.ZipFile(whl).namelist()
-    top = {n.split("/")[0] for n in names}
-    assert top == {"sparkq", next(t for t in top if t.endswith(".dist-info"))}, top
-    for sub in ("convert", "formats", "runtime", "recipes", "cli"):
-        assert any(n.startswith(f"sparkq/{sub}/") for n in names), sub
-    assert "sparkq/recipes/llama.toml" in names
-
-
 def _fake_hub_cache(hf_home: Path, repo: str, files_from: Path, commit: str = "a" * 40) -> None:
     """The HF cache layout (refs + snapshots) as huggingface_hub writes it."""
     import shutil
@@ -336,3 +323,51 @@ def test_int8_head_and_clip_method(tiny_tied, tmp_path):
     for role in ("qkv", "gate_up", "down"):
         assert cl["rel_error_by_role"][role]["mean"] < mm["rel_error_by_role"][role]["mean"]
     assert Artifact.open(tmp_path / "cl").manifest.method == "clip"
+
+
+def test_custom_recipe_artifact_loads_as_converted(tmp_path):
+    """An artifact describes itself (family and features in the manifest): a checkpoint with its
+    own tensor names and family, converted with --recipe FILE, loads in both runtimes with the
+    same weights and logits as the built-in conversion of the same model; a manifest from before
+    features were stored loads through its family's built-in recipe, and an unknown family then
+    asks to re-convert."""
+    from safetensors.torch import load_file, save_file
+    from sparkq.runtime import load, load_lite
+
+    src = make_llama(tmp_path / "q3", arch="qwen3", head_dim=48)
+    ren = tmp_path / "mine"
+    ren.mkdir()
+    tensors = {k.replace("model.", "net.").replace("self_attn.", "att."): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(tensors, str(ren / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"] = ["MyQkForCausalLM"]
+    (ren / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (ren / f).write_text((src / f).read_text())
+    text = (Path(__file__).resolve().parents[1] / "recipes" / "qwen3.toml").read_text()
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text(text.replace('family = "qwen3"', 'family = "myqk"').replace("Qwen3ForCausalLM", "MyQkForCausalLM")
+                      .replace('"model.', '"net.').replace("self_attn.", "att."))
+    a, b = tmp_path / "a", tmp_path / "b"
+    convert(str(src), str(a), Options(progress=False, method="minmax"))
+    convert(str(ren), str(b), Options(progress=False, method="minmax", recipe=str(recipe)))
+    assert (a / C.WEIGHTS_FILE).read_bytes() == (b / C.WEIGHTS_FILE).read_bytes()
+    mb = json.loads((b / C.MANIFEST_FILE).read_text())
+    assert mb["family"] == "myqk" and mb["features"]["qk_norm"] is True and mb["recipe"] == "mine.toml"
+    ids = [5, 17, 99, 201, 3, 64, 250]
+    ref = load(str(a), max_model_len=32).logits(ids)
+    assert torch.equal(load(str(b), max_model_len=32).logits(ids), ref)
+    la, lb = load_lite(str(a), max_model_len=32), load_lite(str(b), max_model_len=32)
+    assert np.array_equal(la.prefill(ids), lb.prefill(ids))
+    old = tmp_path / "old"  # an artifact from before features were stored
+    shutil.copytree(a, old)
+    m = json.loads((old / C.MANIFEST_FILE).read_text())
+    del m["features"], m["recipe"]
+    (old / C.MANIFEST_FILE).write_text(json.dumps(m))
+    assert torch.equal(load(str(old), max_model_len=32).logits(ids), ref)
+    m["family"] = "myqk"
+    (old / C.MANIFEST_FILE).write_text(json.dumps(m))
+    r = run_cli("sparkq", "inspect", old)
+    assert r.returncode == 2 and "family 'myqk' is not known" in r.stderr and "re-convert" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,14 +1,16 @@
 """sparkq memory / fidelity / bench / synth: accounting and invariants (no timing assertions)."""
 import json
 import mmap
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from helpers import run_cli, run_py
-from sparkq.formats.procmem import resident_bytes
+from helpers import ROOT, run_cli
 from sparkq.runtime import load
 from sparkq.runtime.memory import ledger
+from sparkq.runtime.procmem import resident_bytes
 
 
 def test_mincore_residency_follows_touching(tmp_path):
@@ -146,20 +148,19 @@ def test_plot_option(tiny_tied_art, tmp_path):
 
 
 def test_gemmbench_runs(tmp_path):
-    """The prefill-product benchmark (README "Prefill") runs and reports every arm: dequantize +
-    torch GEMM, the W4A8 GEMM and, on AVX512-BF16 CPUs, the bf16 GEMM."""
-    pytest.importorskip("sparkq.runtime.kernels")
-    from sparkq.runtime import kernels
-    if kernels._compiler() is None:
+    """The prefill-product benchmark (tools/gemmbench.py, docs/performance.md) runs and reports every
+    arm: dequantize + torch GEMM, the W4A8 GEMM and, on AVX512-BF16 CPUs, the bf16 GEMM."""
+    from sparkq.runtime import core
+    if core.compiler() is None:
         pytest.skip("no C compiler")
-    p = run_py("import sys; from sparkq.cli.gemmbench import main; import typer; sys.argv = ['gemmbench', '--shape', "
-               "'128,48,64', '--rows', '40', '--rounds', '1', '--reps', '1', '--json']; typer.run(main)")
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "gemmbench.py"), "--shape", "128,48,64", "--rows", "40",
+                        "--rounds", "1", "--reps", "1", "--json"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     (r,) = json.loads(p.stdout)
     assert (r["k"], r["n"], r["group"], r["rows"]) == (128, 48, 64, 40)
     assert r["dequant_gops"] > 0 and r["w4a8_gops"] > 0 and r["w4a8_ratio"] > 0
     assert r["dequant_dtype"] in ("float32", "bfloat16")
-    assert ("bf16_gops" in r) == bool(kernels.load().sq_prefill_bf16())
+    assert ("bf16_gops" in r) == bool(core.load().sq_prefill_bf16())
 
 
 def test_bench_ratios_pair_the_arms_of_a_pass():

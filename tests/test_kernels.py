@@ -466,3 +466,40 @@ def test_c_core_matches_the_aten_kernel_on_the_same_codes(build):
     ref = w @ x.double()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(aten, ref) < 0.01 and rel(c, ref) < 0.02 and rel(c, aten) < 0.02, (rel(aten, ref), rel(c, ref), rel(c, aten))
+
+
+def test_abi_mirror_is_checked_against_the_library():
+    """The ctypes mirror must match the library's own description of its structs: a library that
+    laid a field out elsewhere is refused, naming the struct."""
+    from sparkq.runtime.core import abi
+
+    lib = _lib("native")
+    _, kinds, structs = abi.parse_desc(lib.sq_abi_desc().decode())
+    assert kinds == {"int4": 0, "int8": 1, "bf16": 2}
+    assert structs["sq_model"] == abi._mirror(abi.SqModel) and structs["sq_linear"] == abi._mirror(abi.SqLinear)
+
+    class Moved:  # the library as it would be with sq_model.eps one field later
+        def sq_abi(self):
+            return abi.ABI
+
+        def sq_abi_desc(self):
+            return lib.sq_abi_desc().replace(b"eps@88", b"eps@96")
+
+    with pytest.raises(K_.KernelUnavailable, match="struct sq_model is laid out as"):
+        abi.check(Moved(), "libx.so")
+
+
+def test_failed_workspace_allocation_frees_what_it_took():
+    """sq_work_new with an impossible KV capacity returns NULL, having freed the buffers it had
+    allocated (400 failures leave RSS flat; before the fix 200 of them left 7.6 MiB resident)."""
+    from sparkq.runtime.procmem import rss_kib
+
+    lib = _lib("native")
+    m = K_.SqModel()
+    m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.inter, m.vocab = 1, 4096, 32, 8, 128, 8192, 256
+    m.cap = 1 << 50  # scores: heads x cap floats
+    assert not lib.sq_work_new(ctypes.byref(m))
+    before = rss_kib()["RssAnon"]
+    for _ in range(400):
+        assert not lib.sq_work_new(ctypes.byref(m))
+    assert rss_kib()["RssAnon"] - before < 4096, (before, rss_kib()["RssAnon"])

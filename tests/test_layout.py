@@ -124,7 +124,7 @@ def test_dequantize_t_matches_codes_path():
 
 def test_tensor_writer_writes_aligned_pieces_and_the_planned_bytes(tmp_path, monkeypatch):
     """spark-convert's writer hands the file whole, aligned 4 MiB pieces (all but the last), so
-    Linux caches a fresh artifact in 2 MiB folios (README "Huge pages for the weights"); the
+    Linux caches a fresh artifact in 2 MiB folios (docs/performance.md "Memory"); the
     bytes are those of the plan whatever the sizes of the pieces written."""
     import numpy as np
 

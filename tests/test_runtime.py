@@ -249,7 +249,7 @@ def test_bf16_checkpoint_errors(tiny_tied, tmp_path):
 
 def test_load_fixes_the_malloc_mmap_threshold(tiny_tied_art):
     """glibc's growing mmap threshold keeps prefill's multi-MiB buffers on the heap (resident
-    after they are freed); load() pins it at 1 MiB (README "Memory")."""
+    after they are freed); load() pins it at 1 MiB (docs/performance.md "Memory")."""
     import platform
     m = load(str(tiny_tied_art), max_model_len=32)
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":

@@ -43,7 +43,7 @@ static void sq_act_free(sq_act *a) {
  * four high nibbles of weight bytes 4i..4i+3; int8: lanes i and i + 4), so the scales cost
  * the products nothing; against one scale per 32 columns they cut the A8 error of a product
  * with an outlier channel from ~1% to ~0.6% and the example's W4A8 KL excess 3-fold
- * (README "Prefill").
+ * (docs/performance.md "Prompt processing").
  * For an int4 L on AVX2 with K % 64 == 0 and g % 64 == 0 the codes go in "paired" order: for
  * block pair p, bytes 64p..64p+31 hold columns 0..15 of blocks 2p and 2p+1, bytes 64p+32..63
  * their columns 16..31 -- the order in which one 32-byte load of two weight blocks yields its

@@ -5,7 +5,7 @@
  * columns and token: two maddubs, an add, a madd, a convert and an FMA with the activation
  * block scales into a per-group accumulator, which one FMA per group scales by the weight
  * scale; the zero and -8 terms are added after the tiles, 8 rows at a time, from per-group
- * sums. Measured on the AVX2 box at 512 tokens (`python -m sparkq.cli.gemmbench`): 1.25x the
+ * sums. Measured on the AVX2 box at 512 tokens (`python tools/gemmbench.py`): 1.25x the
  * dequantize + fp32 GEMM path at K=384, 1.27-1.28x at K=576, 1.29-1.46x at K >= 1536, 0.96x
  * at K=256 (the runtime uses it from K = 384); 1 x 4 tiles with group accumulators beat 2 x 3
  * tiles with a scale multiply per step by ~10% at g128.

@@ -9,7 +9,7 @@
  * int8 activations: the prefill then carries no A8 error (its products differ from the decode
  * step's W4A8 ones within that budget). The scratch is transient, per call, per thread
  * (K * 2 * NBR bytes); nothing is kept. Measured on the AVX512-BF16 box (Zen 5, 2 threads,
- * `python -m sparkq.cli.gemmbench`): README "AVX512 CPUs". */
+ * `python tools/gemmbench.py`): docs/performance.md "AVX512 CPUs". */
 #ifndef BT
 #define BT 8  /* tokens per tile */
 #endif

@@ -1,7 +1,7 @@
 """llama.cpp comparison arms: a GGUF of any llama/qwen3 HF checkpoint (speed only), requantized
 by llama.cpp's own quantizer.
 
-``python -m sparkq.cli.llamacpp SRC_DIR OUT.gguf [FTYPE ...]`` writes ``OUT.gguf`` (F16, via
+``python tools/llamacpp.py SRC_DIR OUT.gguf [FTYPE ...]`` writes ``OUT.gguf`` (F16, via
 gguf-py: standard tensor names, the model's real shapes and hyper-parameters, a stand-in
 vocabulary of the right size) and, for each FTYPE (e.g. MOSTLY_Q4_0), ``OUT-FTYPE.gguf``
 through ``llama_model_quantize``. Made for benchmarking checkpoints that have no GGUF (the
@@ -85,7 +85,7 @@ def write_gguf(src: Path, out: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    from sparkq.cli.quality import llama_quantize
+    from quality import llama_quantize  # tools/quality.py
 
     src, out = Path(argv[0]), Path(argv[1])
     write_gguf(src, out)

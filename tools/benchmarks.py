@@ -1,4 +1,4 @@
-"""Regenerate BENCHMARKS.md (+ BENCHMARKS.json): ``make benchmarks``.
+"""Regenerate BENCHMARKS.md (+ BENCHMARKS.json): ``make benchmarks`` (``python tools/benchmarks.py WORK``).
 
 Runs the product's own commands (listed verbatim in the output) on the bundled example
 (SmolLM2-135M-Instruct) and on a synthetic Qwen3-1.7B shape (random weights, tied), and on the Spark-like hybrid shape (RoPE memory A/B):
@@ -66,7 +66,7 @@ def llama_ggufs(w: Path, example_gguf, log: list[str]) -> list[str]:
     shipped GGUF (the same files `make quality` measures); [] without llama-cpp-python."""
     if not have_llama():
         return []
-    from sparkq.cli.quality import llama_quantize
+    from quality import llama_quantize  # tools/quality.py
 
     out = []
     for ftype in ("MOSTLY_Q4_0", "MOSTLY_Q4_K_M"):
@@ -101,7 +101,7 @@ def speed_table(res: dict) -> list[str]:
 
 
 def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt", out: str = "BENCHMARKS.md") -> None:
-    from sparkq.cli.main import format_bench
+    from sparkq.cli.render import format_bench
 
     w = Path(work)
     w.mkdir(exist_ok=True)
@@ -137,7 +137,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     big_llama = []
     if have_llama():
         gg = w / "qwen3-1.7b-synth.gguf"
-        sh(["python", "-m", "sparkq.cli.llamacpp", big, gg, "MOSTLY_Q4_0"], log, as_json=False)
+        sh([sys.executable, str(Path(__file__).with_name("llamacpp.py")), big, gg, "MOSTLY_Q4_0"], log, as_json=False)
         gg.unlink()  # the F16 intermediate (3.4 GB); the Q4_0 file stays
         big_llama = [str(w / "qwen3-1.7b-synth-MOSTLY_Q4_0.gguf")]
     res["big_memory"] = {"int4": sh(["sparkq", "memory", big_q, "--json"], log),
@@ -160,7 +160,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
     Path(out).with_suffix(".json").write_text(json.dumps(res, indent=1))
 
     m = res["machine"]
-    L = ["# sparkq benchmarks", "", f"Regenerate: `make benchmarks` (runs `python -m sparkq.cli.benchmarks`). "
+    L = ["# sparkq benchmarks", "", f"Regenerate: `make benchmarks` (runs `python tools/benchmarks.py`). "
          f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['capability']}), Python {m['python']}; "
          f"commit {m['commit']}; {m['date']}. The box is shared and noisy: every speed is a median of interleaved "
          "passes with its [min..max] spread. Raw results: `BENCHMARKS.json`.", "", "## Commands run", "", "```"]
@@ -192,9 +192,9 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
               "|---|---|---|---|---|---|---|---|"]
         import torch
 
-        from sparkq.runtime import kernels
+        from sparkq.runtime import core
         from sparkq.runtime.weights import prefill_dtype
-        c_bf16 = bool(kernels.load().sq_prefill_bf16())  # this CPU's C prefill: bf16 GEMM or W4A8
+        c_bf16 = bool(core.load().sq_prefill_bf16())  # this CPU's C prefill: bf16 GEMM or W4A8
         auto = "auto (C prefill, bf16 GEMM: W4A16, the default)" if c_bf16 else "auto (C prefill, W4A8, the default)"
         deq = "dequant (torch, bf16 activations)" if prefill_dtype() == torch.bfloat16 else "dequant (fp32 activations)"
         for key, arm in (("example_fidelity", auto), ("example_fidelity_dequant", deq)):

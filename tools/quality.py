@@ -1,6 +1,6 @@
 """Quality table: every quantization method against llama.cpp, same tokens: ``make quality``.
 
-    python -m sparkq.cli.quality [--work work] [--corpus ../shared/corpus/wikitext2-valid.txt] [--set mixed]
+    python tools/quality.py [--work work] [--corpus ../shared/corpus/wikitext2-valid.txt] [--set mixed]
 
 For the bundled example (SmolLM2-135M-Instruct): converts the bf16 checkpoint with each
 sparkq method (minmax, clip, gptq; int4 or int8 head) and measures each artifact with
@@ -18,15 +18,16 @@ Writes QUALITY.md and QUALITY.json into --work (a benchmark, run by hand, not a 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+import typer
 
 BIN = Path(sys.executable).parent
 CAVEAT = ("the example's bf16 weights are a dequantized Q4_1 file (g32 asymmetric, fp16 scale/min), so a g32 "
@@ -136,16 +137,15 @@ def llama_quantize(src: Path, dst: Path, ftype: str) -> None:
         sys.exit(f"quality: llama.cpp could not quantize {src} to {ftype}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", default="work")
-    ap.add_argument("--corpus", default="../shared/corpus/wikitext2-valid.txt")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--set", choices=["default", "mixed", "all"], default="default",
-                    help="sparkq builds: the methods (default), the mixed-precision recipes (mixed), or both")
-    a = ap.parse_args()
+def main(work: str = typer.Option("work", "--work"),
+         corpus: str = typer.Option("../shared/corpus/wikitext2-valid.txt", "--corpus"),
+         tokens: int = typer.Option(2048, "--tokens"), window: int = typer.Option(512, "--window"),
+         threads: int = typer.Option(2, "--threads"),
+         which: str = typer.Option("default", "--set", help="sparkq builds: the methods (default), the "
+                                   "mixed-precision recipes (mixed), or both (all)")) -> None:
+    if which not in ("default", "mixed", "all"):
+        raise typer.BadParameter("--set must be default, mixed or all")
+    a = SimpleNamespace(work=work, corpus=corpus, tokens=tokens, window=window, threads=threads, set=which)
     from importlib.metadata import distribution
 
     from sparkq.runtime import load
@@ -240,4 +240,4 @@ def _gguf_shapes(path: Path):
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

@@ -3,10 +3,11 @@ on AVX512-BF16 CPUs the bf16 one it uses from 32 rows) vs dequantize row blocks
 (``sq_dequant_rows``) + torch's GEMM (fp32, or bf16 where the CPU has native bf16: what the
 torch model's dequantizing path does), on random codes of given shapes.
 
-``python -m sparkq.cli.gemmbench [--rows 512] [--rounds 3] [--reps 7] [--shape K,N,G ...] [--json]``
+``python tools/gemmbench.py [--rows 512] [--rounds 3] [--reps 7] [--shape K,N,G ...] [--json]``
 Each round times the arms interleaved (median of ``reps`` calls each); the table gives the
 median over rounds of GOPS (2*M*N*K per second) and of the per-round ratio. A benchmark, run
-by hand (README "Prefill"); not a test.
+by hand (docs/performance.md "Prompt GEMMs"); not a test. The W4A8 arm on an AVX512-BF16 CPU is
+the avx512-vnni build (the same code without the bf16 GEMM).
 """
 from __future__ import annotations
 
@@ -34,13 +35,16 @@ def _median_time(f, reps: int) -> float:
 
 def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> list[dict]:
     import torch
-    from sparkq.runtime import kernels as K
+    from sparkq.formats import constants as C
+    from sparkq.runtime import core
     from sparkq.runtime.weights import prefill_dtype
 
     torch.set_num_threads(threads)
-    lib = K.load()
-    lib.sq_set_threads(threads)
-    has_bf16 = bool(lib.sq_set_prefill_bf16(1))  # (re)enables it; the arms below switch it
+    lib = core.load()
+    has_bf16 = bool(lib.sq_prefill_bf16())
+    a8lib = core.load("avx512-vnni") if has_bf16 else lib  # the same build without the bf16 GEMM
+    for x in (lib, a8lib):
+        x.sq_set_threads(threads)
     dt = prefill_dtype()  # what the torch model's dequantizing path multiplies in
     out = []
     for spec in shapes:
@@ -48,7 +52,7 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
         gen = torch.Generator().manual_seed(0)
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
         sz = (torch.rand(k // g, n, 2, generator=gen) * 0.01).to(torch.bfloat16).contiguous()
-        L = K.SqLinear(q.data_ptr(), sz.data_ptr(), None, 0, n, k, g)
+        L = core.linear_struct(lib, core.CLinear(C.KIND_INT4, n, k, g, q, sz))
         x, y = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
         block = max(16, (1 << 20) // k // 16 * 16)  # the runtime's 1M-element scratch
         w, xd = torch.empty(min(block, n), k), x.to(dt)
@@ -63,9 +67,10 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
                     y[:, r0:r1] = xd @ w[:r1 - r0].to(dt).t()
 
         def c_gemm(bf16: bool):
+            use = lib if bf16 else a8lib
+
             def f():
-                lib.sq_set_prefill_bf16(int(bf16))
-                lib.sq_linear_batch(ctypes.byref(L), x.data_ptr(), 0, rows, y.data_ptr(), None)
+                use.sq_linear_batch(ctypes.byref(L), x.data_ptr(), 0, rows, y.data_ptr(), None)
             return f
 
         arms = {"dequant": dequant, "w4a8": c_gemm(False)}
@@ -76,7 +81,6 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
         for _ in range(rounds):
             for a, f in arms.items():
                 ts[a].append(_median_time(f, reps))
-        lib.sq_set_prefill_bf16(1)
         r = {"k": k, "n": n, "group": g, "rows": rows, "dequant_dtype": str(dt).replace("torch.", "")}
         for a in arms:
             r[f"{a}_gops"] = ops / statistics.median(ts[a]) / 1e9
