@@ -1,13 +1,14 @@
 """GGUF input: tensors dequantized one at a time, mapped back to Hugging Face names.
 
-llama.cpp's converter permutes the rows of q/k projections (interleaved RoPE halves);
-we undo it so the result is the standard HF (rotate-half) layout. The config, the
-tokenizer (``tokenizer.json`` built with the ``tokenizers`` library) and the chat
-template are recovered from the GGUF metadata.
+Every family sparkq runs: llama, mistral, qwen2, qwen3, gemma3, in the tensor layout llama.cpp's
+converter writes. Where that converter changed tensors, the change is undone so the result is the
+standard HF checkpoint: llama's q/k rows are permuted (interleaved RoPE halves) and Gemma's norm
+weights are stored as ``1 + w``. The config is rebuilt from the GGUF metadata (with llama.cpp's own
+defaults where it stores none: Gemma 3's local RoPE base and sliding-window pattern), the tokenizer
+and chat template by gguf_tokenizer.py. Any tensor type the ``gguf`` package dequantizes is read.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -15,11 +16,11 @@ import numpy as np
 import torch
 
 from .errors import ConvertError
+from .gguf_tokenizer import tokenizer_files
 from .source import Source
 
-LAYER_MAP = {
+_COMMON = {
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -27,16 +28,33 @@ LAYER_MAP = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+LAYER_MAPS = {  # GGUF block tensor -> HF module under model.layers.N, per architecture
+    "llama": {**_COMMON, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
 }
 GLOBAL_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-SUPPORTED_ARCH = {"llama": "LlamaForCausalLM"}
+# GGUF architecture -> (HF architecture, model_type, layer map, q/k permuted by llama.cpp, norms stored as 1 + w)
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama", "llama", True, False),
+    "mistral": ("MistralForCausalLM", "mistral", "llama", False, False),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", "llama", False, False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", "llama", False, False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", "gemma3", False, True),
+}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp: every 6th layer full attention (not stored in the file)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3 (not stored)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{LAYER_MAP[m.group(2)]}.{suffix}"
+    layer_map = LAYER_MAPS[ARCHS[arch][2]]
+    if m and m.group(2) in layer_map:
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}.{suffix}"
     if base in GLOBAL_MAP:
         return f"{GLOBAL_MAP[base]}.{suffix}"
     return None
@@ -56,54 +74,86 @@ class GGUFSource(Source):
             self.reader = GGUFReader(str(path))
         except Exception as e:  # the gguf package raises assorted errors on bad files
             raise ConvertError(f"{path}: not a readable GGUF file ({e.__class__.__name__}: {str(e)[:120]})") from None
-        f = self.reader.fields
         arch = self._field("general.architecture")
-        if arch not in SUPPORTED_ARCH:
-            raise ConvertError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCH)})")
-        a = arch
+        if arch not in ARCHS:
+            raise ConvertError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+        self.arch = arch
+        _, _, _, self.permuted, self.norm_shift = ARCHS[arch]
         self.tensors = {}
         for t in self.reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, arch)
             if name is None:
-                if t.name in ("rope_freqs.weight",):
+                if t.name in ("rope_freqs.weight",):  # llama3 RoPE factors: rebuilt from rope_scaling
                     continue
                 raise ConvertError(f"{path}: GGUF tensor {t.name!r} has no Hugging Face equivalent known to sparkq")
             self.tensors[name] = t
+        config = self._config()
+        self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in self.tensors.items()}
+        super().__init__(config=config, shapes=shapes,
+                         origin={"kind": "gguf", "id": path.name, "name": self._field("general.name", None),
+                                 **({"license": lic} if (lic := self._field("general.license", None)) else {})},
+                         directory=None, extra_files=tokenizer_files(self._field, arch, config))
+        self._cache: tuple[str, torch.Tensor] | None = None
+        self.path = path
+
+    def _config(self) -> dict:
+        """The HF config.json of the model, from the GGUF metadata."""
+        a, f = self.arch, self.reader.fields
+        hf_arch, model_type = ARCHS[a][:2]
         heads = int(self._field(f"{a}.attention.head_count"))
-        kv = int(self._field(f"{a}.attention.head_count_kv", heads))
         hidden = int(self._field(f"{a}.embedding_length"))
-        tied = "lm_head.weight" not in self.tensors
+        head_dim = int(self._field(f"{a}.attention.key_length", 0) or self._field(f"{a}.rope.dimension_count", 0)
+                       or hidden // heads)
+        layers = int(self._field(f"{a}.block_count"))
         vocab = len(f["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in f else int(self._field(f"{a}.vocab_size"))
         config = {
-            "architectures": [SUPPORTED_ARCH[arch]],
-            "model_type": arch,
+            "architectures": [hf_arch],
+            "model_type": model_type,
             "hidden_size": hidden,
             "intermediate_size": int(self._field(f"{a}.feed_forward_length")),
-            "num_hidden_layers": int(self._field(f"{a}.block_count")),
+            "num_hidden_layers": layers,
             "num_attention_heads": heads,
-            "num_key_value_heads": kv,
-            "head_dim": int(self._field(f"{a}.rope.dimension_count", hidden // heads)),
+            "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": head_dim,
             "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
             "vocab_size": vocab,
-            "tie_word_embeddings": tied,
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id", None),
             "eos_token_id": self._field("tokenizer.ggml.eos_token_id", None),
             "pad_token_id": self._field("tokenizer.ggml.padding_token_id", None),
             "torch_dtype": "bfloat16",
         }
-        self.heads, self.kv_heads = heads, kv
-        shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in self.tensors.items()}
-        super().__init__(config=config, shapes=shapes,
-                         origin={"kind": "gguf", "id": path.name, "name": self._field("general.name", None),
-                                 **({"license": lic} if (lic := self._field("general.license", None)) else {})},
-                         directory=None, extra_files=self._tokenizer_files(config))
-        self._cache: tuple[str, torch.Tensor] | None = None
-        self.path = path
+        kind = self._field(f"{a}.rope.scaling.type", None)
+        if kind in ("linear", "yarn"):
+            config["rope_scaling"] = {"rope_type": kind, "factor": float(self._field(f"{a}.rope.scaling.factor"))}
+            if kind == "yarn":
+                config["rope_scaling"]["original_max_position_embeddings"] = int(
+                    self._field(f"{a}.rope.scaling.original_context_length", config["max_position_embeddings"]))
+        window = self._field(f"{a}.attention.sliding_window", None)
+        if a in ("llama", "mistral"):
+            config.update(attention_bias=False, mlp_bias=False)
+            if a == "mistral":
+                config["sliding_window"] = int(window) if window else None
+        elif a == "qwen2":
+            config.update(use_sliding_window=False, sliding_window=None)
+        elif a == "qwen3":
+            config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+        elif a == "gemma3":
+            swa = [(i + 1) % GEMMA3_SWA_PATTERN != 0 for i in range(layers)]
+            config.update(
+                hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                sliding_window=int(window) if window else None,
+                layer_types=["sliding_attention" if s else "full_attention" for s in swa],
+                rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE,
+                # llama.cpp scales queries by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for the
+                # 62-layer 27B model, as its config's query_pre_attn_scalar says
+                query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+                final_logit_softcapping=None, attn_logit_softcapping=None)
+        return config
 
     def _field(self, key: str, default=...):
         fld = self.reader.fields.get(key)
@@ -125,10 +175,12 @@ class GGUFSource(Source):
         t = self.tensors[name]
         arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         arr = arr.reshape(self.shapes[name])
-        if name.endswith("self_attn.q_proj.weight"):
+        if self.permuted and name.endswith("self_attn.q_proj.weight"):
             arr = unpermute(arr, self.heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif self.permuted and name.endswith("self_attn.k_proj.weight"):
             arr = unpermute(arr, self.kv_heads)
+        if self.norm_shift and name.endswith("norm.weight"):
+            arr = arr - 1.0
         # rounded through bf16, so converting the GGUF directly gives the same artifact as
         # converting its `sparkq import-gguf` checkpoint (the fidelity reference)
         out = torch.from_numpy(np.require(arr, np.float32, ["C", "W"])).to(torch.bfloat16)
@@ -136,61 +188,14 @@ class GGUFSource(Source):
         return out
 
     def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        return self._dequant(name)[r0:r1].to(torch.float32)
+        """Rows [r0, r1) in fp32 (bf16-rounded). Only those rows are dequantized (every GGUF type
+        stores a row's blocks together), except llama's q/k, whose permutation spans a head."""
+        t = self.tensors[name]
+        whole = len(self.shapes[name]) == 1 or self.norm_shift and name.endswith("norm.weight") or \
+            self.permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+        if whole:
+            return self._dequant(name)[r0:r1].to(torch.float32)
+        from gguf import quants
 
-    # ------------------------------------------------------------------ tokenizer
-    def _tokenizer_files(self, config: dict) -> dict[str, bytes]:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-        model = self._field("tokenizer.ggml.model", None)
-        if model != "gpt2":
-            raise ConvertError(f"GGUF tokenizer model {model!r} is not supported yet (supported: gpt2 byte-level BPE)")
-        tokens = self._field("tokenizer.ggml.tokens")
-        merges = self._field("tokenizer.ggml.merges")
-        types = self._field("tokenizer.ggml.token_type", [1] * len(tokens))
-        pre = self._field("tokenizer.ggml.pre", "default")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                                   fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre == "smollm":  # SmolLM: every digit its own pre-token, then GPT-2 byte-level
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        elif pre in ("gpt2", "gpt-2", "default"):
-            tok.pre_tokenizer = byte_level
-        elif pre in ("llama-bpe", "llama3", "qwen2"):
-            pat = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" if pre == "qwen2" else
-                   r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}") + \
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(pat), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        else:
-            raise ConvertError(f"GGUF pre-tokenizer {pre!r} is not supported yet (supported: smollm, gpt2, llama-bpe, qwen2)")
-        tok.decoder = decoders.ByteLevel()
-        special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types) if ty == 3]
-        tok.add_special_tokens(special)
-
-        def tok_str(key):
-            i = config.get(key)
-            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
-
-        tcfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": tok_str("bos_token_id"),
-            "eos_token": tok_str("eos_token_id"),
-            "pad_token": tok_str("pad_token_id"),
-            "unk_token": tokens[self._field("tokenizer.ggml.unknown_token_id", 0)] if "tokenizer.ggml.unknown_token_id" in self.reader.fields else None,
-            "add_bos_token": bool(self._field("tokenizer.ggml.add_bos_token", False)),
-            "add_eos_token": bool(self._field("tokenizer.ggml.add_eos_token", False)),
-            "model_max_length": config["max_position_embeddings"],
-            "clean_up_tokenization_spaces": False,
-        }
-        ct = self._field("tokenizer.chat_template", None)
-        if ct:
-            tcfg["chat_template"] = ct
-        gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-        return {
-            "tokenizer.json": tok.to_str().encode(),
-            "tokenizer_config.json": json.dumps(tcfg, indent=2).encode(),
-            "generation_config.json": json.dumps(gen, indent=2).encode(),
-        }
+        arr = quants.dequantize(t.data[r0:r1], t.tensor_type).astype(np.float32, copy=False).reshape(r1 - r0, -1)
+        return torch.from_numpy(np.require(arr, np.float32, ["C", "W"])).to(torch.bfloat16).to(torch.float32)

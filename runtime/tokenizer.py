@@ -85,9 +85,11 @@ class ChatTokenizer:
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
         try:
+            # the variables transformers' apply_chat_template provides (tools and documents unset)
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.UndefinedError as e:
             raise RuntimeUserError(f"chat template uses a variable sparkq does not provide ({e}); "

@@ -1,0 +1,171 @@
+"""Tiny GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, from the tiny HF
+checkpoints of helpers.make_llama: the same architecture names, tensor names, q/k permutation
+(llama), ``1 + w`` norms (gemma3), metadata keys and tokenizer fields. Written with gguf-py's own
+writer; the tests read them with sparkq and with transformers' GGUF loader."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# HF architecture -> GGUF architecture (llama.cpp writes Mistral as llama)
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm"}
+LAYER_LLAMA = {**LAYER, "post_attention_layernorm": "ffn_norm"}
+LAYER_GEMMA = {**LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}" \
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+
+def permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (LlamaModel.permute)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def spm_vocab(size: int, gemma: bool) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary: control tokens, 256 byte tokens, then pieces whose merges
+    build a few English words (scores fall with the index, as sentencepiece writes them)."""
+    special = ["<pad>", "<eos>", "<bos>", "<unk>"] if gemma else ["<unk>", "<s>", "</s>"]
+    pieces = ["\u2581", "e", "t", "a", "o", "h", "n", "i", "s", "r", "d", "l", "u", "c", "w", "f", "q", "k", "b", "g",
+              "x", "y", "p", "m", "j", "v", "z", "he", "\u2581t", "\u2581the", "in", "er", "\u2581a", "on", "\u2581o",
+              "qu", "ick", "\u2581qu", "\u2581quick", "ow", "\u2581b", "\u2581br", "\u2581brown", "\u2581f", "ox",
+              "\u2581fox", "\u2581d", "og", "\u2581dog", "\u2581l", "az", "\u2581laz", "\u2581lazy", "\u2581j", "um",
+              "\u2581jum", "ps", "\u2581jumps", "ver", "\u2581over", "  ", "\u2581i", "\u2581in"]
+    byte_toks = [f"<0x{b:02X}>" for b in range(256)]
+    n_pieces = size - len(special) - 256
+    assert n_pieces <= len(pieces), (size, len(pieces))
+    tokens = special + byte_toks + pieces[:n_pieces]
+    types = [3] * len(special) + [6] * 256 + [1] * n_pieces  # control, byte, normal
+    if gemma:
+        types[special.index("<unk>")] = 2  # unknown
+    else:
+        types[0] = 2
+    scores = [0.0] * (len(special) + 256) + [-float(i) for i in range(n_pieces)]
+    return tokens, scores, types
+
+
+def byte_level_merges(n: int) -> list[tuple[str, str]]:
+    """n GPT-2 style merges (byte-level spelling, Ġ = space) that build a few English words."""
+    out, have = [], set()
+    for word in ["Ġthe", "Ġquick", "Ġbrown", "Ġfox", "Ġjumps", "Ġover", "Ġlazy",
+                 "Ġdog", "Ġin", "ing", "Ġto", "Ġand", "er", "Ġof", "Ġa", "ou"]:
+        cur = word[0]
+        for ch in word[1:]:
+            if (cur, ch) not in have and len(out) < n:
+                out.append((cur, ch))
+                have.add((cur, ch))
+            cur += ch
+    return out
+
+
+def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None) -> Path:
+    """The GGUF llama.cpp would write for the HF checkpoint src (tensor type F32, F16 or Q8_0 for
+    the linears; spm: a SentencePiece vocabulary instead of src's byte-level one, default for
+    Mistral and Gemma 3)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    hf_arch = cfg["architectures"][0]
+    arch = GGUF_ARCH[hf_arch]
+    gemma = arch == "gemma3"
+    spm = hf_arch in ("MistralForCausalLM", "Gemma3ForCausalLM") if spm is None else spm
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name("tiny")  # transformers would read a "mistral" in the name as an architecture gguf-py lacks
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+    if arch in ("qwen3", "gemma3") or head_dim != cfg["hidden_size"] // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if gemma and cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    n_vocab = cfg["vocab_size"]
+    if spm:
+        tokens, scores, types = spm_vocab(n_vocab, gemma)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        if gemma:
+            w.add_pad_token_id(0), w.add_eos_token_id(1), w.add_bos_token_id(2), w.add_unk_token_id(3)
+        else:
+            w.add_unk_token_id(0), w.add_bos_token_id(1), w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+    else:
+        vocab = json.loads((src / "tokenizer.json").read_text())
+        by_id = {i: t for t, i in vocab["model"]["vocab"].items()}
+        by_id.update({a["id"]: a["content"] for a in vocab.get("added_tokens", [])})
+        merges = byte_level_merges(n_vocab - len(by_id))  # the unused ids become merged tokens
+        for j, (a, b) in enumerate(merges):
+            by_id[257 + j] = a + b
+        tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n_vocab)]
+        types = [3 if any(a["id"] == i for a in vocab.get("added_tokens", [])) else 1 if i in by_id else 5
+                 for i in range(n_vocab)]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges([f"{a} {b}" for a, b in merges])
+        w.add_eos_token_id(cfg.get("eos_token_id") or 256)
+        w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    layer_map = LAYER_GEMMA if gemma else LAYER_LLAMA
+
+    def put(name, arr):
+        arr = np.ascontiguousarray(arr.astype(np.float32))
+        if name.endswith("norm.weight") and gemma:
+            arr = arr + 1.0  # Gemma3Model.modify_tensors: norms stored as 1 + w
+        if arr.ndim == 2 and qtype != "F32":
+            if qtype == "F16":
+                w.add_tensor(name, arr.astype(np.float16))
+                return
+            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            return
+        w.add_tensor(name, arr)
+
+    put("token_embd.weight", tensors["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in layer_map.items():
+            for suffix in ("weight", "bias"):
+                name = f"model.layers.{i}.{hf}.{suffix}"
+                if name not in tensors:
+                    continue
+                t = tensors[name]
+                if arch == "llama" and hf == "self_attn.q_proj":
+                    t = permute(t, heads, heads)
+                elif arch == "llama" and hf == "self_attn.k_proj":
+                    t = permute(t, heads, kv)
+                put(f"blk.{i}.{gg}.{suffix}", t)
+    put("output_norm.weight", tensors["model.norm.weight"])
+    if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", False):
+        put("output.weight", tensors["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    return out
