@@ -9,6 +9,7 @@ and chat template by gguf_tokenizer.py. Any tensor type the ``gguf`` package deq
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -96,6 +97,21 @@ class GGUFSource(Source):
                          directory=None, extra_files=tokenizer_files(self._field, arch, config))
         self._cache: tuple[str, torch.Tensor] | None = None
         self.path = path
+        # tensor bytes are read with pread, not through the reader's mapping: mapped pages would
+        # count in the converter's RSS (the whole 1.1 GB file of a 1.5B model by the end)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _raw(self, t, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of tensor t's stored bytes, shaped as the reader's view of them."""
+        rows = t.data.shape[0] if t.data.ndim > 1 else 1
+        row_bytes = int(t.n_bytes) // rows
+        buf = os.pread(self._fd, (r1 - r0) * row_bytes, int(t.data_offset) + r0 * row_bytes)
+        return np.frombuffer(buf, dtype=t.data.dtype).reshape((r1 - r0, *t.data.shape[1:]) if t.data.ndim > 1 else -1)
 
     def _config(self) -> dict:
         """The HF config.json of the model, from the GGUF metadata."""
@@ -173,7 +189,8 @@ class GGUFSource(Source):
         if self._cache and self._cache[0] == name:
             return self._cache[1]
         t = self.tensors[name]
-        arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        rows = t.data.shape[0] if t.data.ndim > 1 else 1
+        arr = quants.dequantize(self._raw(t, 0, rows), t.tensor_type).astype(np.float32, copy=False)
         arr = arr.reshape(self.shapes[name])
         if self.permuted and name.endswith("self_attn.q_proj.weight"):
             arr = unpermute(arr, self.heads)
@@ -197,5 +214,5 @@ class GGUFSource(Source):
             return self._dequant(name)[r0:r1].to(torch.float32)
         from gguf import quants
 
-        arr = quants.dequantize(t.data[r0:r1], t.tensor_type).astype(np.float32, copy=False).reshape(r1 - r0, -1)
+        arr = quants.dequantize(self._raw(t, r0, r1), t.tensor_type).astype(np.float32, copy=False).reshape(r1 - r0, -1)
         return torch.from_numpy(np.require(arr, np.float32, ["C", "W"])).to(torch.bfloat16).to(torch.float32)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from sparkq.formats import constants as C
 from sparkq.formats.manifest import LinearEntry, Manifest, sparkq_version
-from sparkq.formats.layout import (LAYOUTS, ROWS32, LayoutError, check_shape, dequantize_codes, get_layout, host_layout,
-                                   pack_rows)
+from sparkq.formats.layout import (LAYOUTS, ROWS32, LayoutError, check_shape, dequantize_codes, dequantize_codes_lut,
+                                   get_layout, host_layout, pack_rows)
 from sparkq.runtime.procmem import RssSampler
 from sparkq.formats.spec import (FEATURES, ModelSpec, SpecError, choose_group_size, linear_tensors, recipe_for_config,
                                  role_of)
@@ -27,11 +27,14 @@ from tqdm import tqdm
 
 from .errors import ConvertError
 from .output import atomic_dir
-from .quantize import CALIBRATED, METHODS, gptq_factor, gptq_rows, quantize_int8_rows, quantize_residual, quantize_rows
+from .gptq import gptq_factor, gptq_int4, gptq_rows
+from .lut import fit_lut
+from .quantize import CALIBRATED, METHODS, quantize_int8_rows, quantize_residual, quantize_rows
 from .source import Source, open_source
 
 ROW_CHUNK_ELEMS = 256 << 10  # float32 elements per row block (1 MiB): keeps peak RSS low
-HEAD_MODES = ("int4", "int8", "bf16", "split")  # --head (split: int4 + a 4-bit residual plane)
+HEAD_MODES = ("int4", "int8", "bf16", "split", "lut4")  # --head (split: int4 + a 4-bit residual plane)
+BODY_KINDS = ("int4", "lut4")  # --kind
 # SPLIT_DEFAULT: without --head, on the rows32 target (the C core's), a head/embedding the recipe
 # keeps in int8 is stored split instead: the same ~8-bit precision (example, 2048 tokens of
 # wikitext-2 against bf16: KL 0.1343 vs 0.1341, top-1 81.93% vs 81.59%, ppl 21.69 vs 21.77), and
@@ -51,6 +54,7 @@ class Options:
     head: str | None = None  # None: the recipe decides; int4 | int8 | bf16 | split for lm_head and embed
     calib: str | None = None  # calibration text for gptq; None: the bundled text (convert/data/calibration.txt)
     calib_tokens: int = 8192
+    kind: str = "int4"  # the body linears' 4-bit codes: int4 (uniform) or lut4 (a learned table per row)
 
 
 def _target_layout(target: str) -> str:
@@ -74,6 +78,10 @@ def plan(source: Source, opts: Options):
         raise ConvertError(f"--group-size {opts.group_size} is not supported; choose one of {C.GROUP_SIZES}")
     if opts.head not in (None, *HEAD_MODES):
         raise ConvertError(f"unknown --head {opts.head!r}; choose {', '.join(HEAD_MODES)}")
+    if opts.kind not in BODY_KINDS:
+        raise ConvertError(f"unknown --kind {opts.kind!r}; choose {', '.join(BODY_KINDS)}")
+    if C.KIND_LUT4 in (opts.kind, opts.head) and opts.target != ROWS32:
+        raise ConvertError("lut4 (--kind / --head) is read by the C core only: convert with --target rows32")
     if opts.method not in (*METHODS, "auto"):
         raise ConvertError(f"unknown --method {opts.method!r}; choose auto or one of {', '.join(METHODS)}")
     srcs = recipe.source_names(spec)
@@ -100,7 +108,8 @@ def plan(source: Source, opts: Options):
             head = "int8"  # no int4 group size for it (N % 16): the recipe's int8
         int8 = head == "int8" or (not head and role in recipe.keep_int8)
         split = head == "split" and g is not None  # (a head with no int4 group size stays bf16, as with int4)
-        kind = C.KIND_INT8 if int8 else C.KIND_INT4 if g else C.KIND_BF16
+        lut = (head == C.KIND_LUT4 or not head and role not in C.HEAD_ROLES and opts.kind == C.KIND_LUT4) and k % 32 == 0
+        kind = C.KIND_INT8 if int8 else (C.KIND_LUT4 if lut else C.KIND_INT4) if g else C.KIND_BF16
         linears.append(LinearEntry(name, kind, n, k, None if int8 else g, parts, residual=split))
     vectors = spec.vector_shapes()
     for name, shape in vectors.items():
@@ -180,6 +189,8 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         w.put(f"{lin.name}.scales", scales.view(torch.uint8).numpy())
         return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
     check_shape(lin.n, lin.k, layout)
+    if lin.kind == C.KIND_LUT4:
+        return _write_lut4(w, source, lin, part_rows, chunk, hessian, bar, deq)
     # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
     # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
     sz_all = torch.empty(lin.k // lin.group_size, lin.n, 2, dtype=torch.bfloat16)
@@ -197,7 +208,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         r1 = min(lin.n, r0 + chunk)
         rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
         if factor is not None:
-            codes, sz, e, rf = gptq_rows(rows, lin.group_size, *factor)
+            codes, sz, e, rf = gptq_int4(rows, lin.group_size, *factor)
             if deq is not None:
                 deq[r0:r1] = dequantize_codes(codes, sz, lin.group_size, torch.float32)
         else:
@@ -220,6 +231,48 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         w.put(f"{lin.name}.residual", res_all)
         w.put(f"{lin.name}.residual_scales", rs_all.view(torch.uint8).numpy())
         bar.update(res_all.size + rs_all.numel() * 2)
+    return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
+
+
+def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows, chunk: int, hessian, bar, deq):
+    """A lut4 linear (convert/lut.py): per row block, the rows' levels and group parameters fitted
+    (weighted by diag H when calibrated), then the codes by GPTQ against that grid, or the
+    nearest levels without calibration."""
+    g = lin.group_size
+    sz_all = torch.empty(lin.k // g, lin.n, 2, dtype=torch.bfloat16)
+    lv_all = torch.empty(lin.n, 16, dtype=torch.int8)
+    factor = None
+    if hessian is not None:
+        imp = torch.diagonal(hessian[0]).clone()  # the importance of each input (as llama.cpp's imatrix)
+        factor = gptq_factor(hessian)
+        chunk = max(chunk, (GPTQ_ROW_ELEMS // lin.k) // 64 * 64)
+    err = ref = 0.0
+    w.begin(f"{lin.name}.qweight")
+    for r0 in range(0, lin.n, chunk):
+        r1 = min(lin.n, r0 + chunk)
+        rows = _read_fused_rows(source, lin.sources, part_rows, r0, r1)
+        if factor is not None:
+            w0 = rows.clone()
+            w0[:, factor[2]] = 0.0  # dead inputs
+            levels, sz, _ = fit_lut(w0, g, imp)
+            del w0
+            codes = gptq_rows(rows, g, sz[..., 0].float().T, sz[..., 1].float().T, *factor, tab=levels.float())
+        else:
+            levels, sz, codes = fit_lut(rows, g)
+        d = dequantize_codes_lut(codes, sz, levels, g, torch.float32)
+        if deq is not None:
+            deq[r0:r1] = d
+        err += float(((rows - d) ** 2).sum(dtype=torch.float64))
+        ref += float((rows.to(torch.float64) ** 2).sum())
+        w.write(pack_rows(codes.numpy(), get_layout(ROWS32), lin.n))
+        sz_all[:, r0:r1] = sz
+        lv_all[r0:r1] = levels
+        del rows, codes, sz, d
+        bar.update((r1 - r0) * lin.k // 2)
+    w.end()
+    w.put(f"{lin.name}.scales_zeros", sz_all.view(torch.uint8).numpy())
+    w.put(f"{lin.name}.levels", lv_all.view(torch.uint8).numpy())
+    bar.update(sz_all.numel() * 2 + lv_all.numel())
     return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
 
 
@@ -289,18 +342,18 @@ def convert(src: str, out: str, opts: Options) -> dict:
                         if item in by_name:
                             calibrated = cal is not None and item != C.ROLE_EMBED
                             tc = time.perf_counter()
-                            h = cal.hessian(item) if calibrated else None
+                            hbox = [cal.hessian(item)] if calibrated else None  # emptied by gptq_factor
                             cal_s += time.perf_counter() - tc
                             try:
                                 errors[item], deq = _write_linear(w, source, spec, by_name[item], layout, opts.method,
-                                                                  bar, h, keep_deq=role_of(item) != C.ROLE_LM_HEAD)
+                                                                  bar, hbox, keep_deq=role_of(item) != C.ROLE_LM_HEAD)
                             except LayoutError as e:
                                 raise ConvertError(f"{item}: {e}") from None
                             if calibrated:
                                 tc = time.perf_counter()
                                 cal.advance(item, deq)  # None for the head: the forward ends there
                                 cal_s += time.perf_counter() - tc
-                            del h, deq
+                            del hbox, deq
                         else:
                             parts = [source.read_rows(p, 0, source.shapes[p][0]) for p in srcs[item]]
                             v = torch.cat(parts).to(torch.bfloat16)
@@ -332,7 +385,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
     elapsed = time.perf_counter() - t0
     groups: dict[str, list[str]] = {}
     for l in linears:
-        groups.setdefault((f"g{l.group_size}" + ("+residual" if l.residual else "")) if l.group_size else l.kind,
+        groups.setdefault((f"g{l.group_size}" + ("+residual" if l.residual else "") + ("/lut4" if l.kind == C.KIND_LUT4 else ""))
+                          if l.group_size else l.kind,
                           []).append(l.name)
     params = sum(l.n * l.k for l in linears) + sum(s[0] for s in vectors.values())
     largest = max(source.nbytes(p) for names in srcs.values() for p in names)

@@ -9,13 +9,9 @@ Methods:
 - ``clip``: calibration-free search per group (the idea behind llama.cpp's k-quant scale
   search): for shrunken candidate ranges, assign codes, refit scale and offset by least
   squares on those codes, and keep whichever candidate reconstructs the group best.
-- ``gptq``: activation-aware error compensation (Frantar et al., 2022) with a calibration
-  Hessian ``H = X^T X`` of the linear's inputs: columns are quantized in act order (most
-  active inputs first) and each column's error is spread over the not yet quantized
-  columns through the Cholesky factor of ``H^-1``, minimising ``||(W - Q) X^T||`` instead
-  of ``||W - Q||``. Each group keeps the parameters of a (shorter) ``clip`` search on the
-  original weights, so groups stay contiguous along K. Rows are independent given ``H``,
-  so it streams in row blocks like the others.
+- ``gptq``: activation-aware error compensation with a calibration Hessian (gptq.py), each
+  group keeping the parameters of a (shorter) ``clip`` search on the original weights. Rows
+  are independent given ``H``, so it streams in row blocks like the others.
 """
 from __future__ import annotations
 
@@ -24,13 +20,6 @@ from sparkq.formats.layout import dequantize_codes
 
 METHODS = ("minmax", "clip", "gptq")  # plus "auto" at the command line (see pipeline.resolve_method)
 CALIBRATED = ("gptq",)  # methods that need a calibration text
-# fraction of mean(diag H) added to the diagonal. 0.05, not the paper's 0.01: chosen on a
-# validation slice of wikitext-2 (chars 200k-300k, disjoint from the fidelity text and from
-# the calibration) with the bundled calibration text: KL 0.1463 (0.01), 0.1370 (0.05),
-# 0.1458 (0.1), 0.1417 (0.2) -- more damping is more robust when the calibration text's
-# domain differs from the user's.
-GPTQ_DAMP = 0.05
-GPTQ_BLOCK = 128  # columns per lazy-update block (a multiple of every group size)
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 CLIP_SHIFTS = (-0.05, 0.0, 0.05)
 FAST_GRID, FAST_SHIFTS = (1.0, 0.95, 0.9, 0.85, 0.8), (0.0,)  # gptq's static groups: GPTQ does the rest
@@ -126,72 +115,3 @@ def quantize_int8_rows(w: torch.Tensor):
     err = float(((w - q * scale[:, None]) ** 2).sum(dtype=torch.float64))
     ref = float((w.to(torch.float64) ** 2).sum())
     return q.to(torch.int8), scale.to(torch.bfloat16), err, ref
-
-
-def gptq_factor(h: torch.Tensor, damp: float = GPTQ_DAMP):
-    """H (float32 [K, K], sum of x x^T over calibration tokens) -> (upper Cholesky factor of
-    (H + damp*mean(diag) I)^-1 in act order, the order (columns by descending diag H), and the
-    mask of dead input columns that never fired). At most two float64 [K, K] live at once
-    (K = 6144: 288 MiB each)."""
-    h = h.to(torch.float64)
-    dead = torch.diagonal(h) == 0
-    perm = torch.argsort(torch.where(dead, 1.0, torch.diagonal(h)), descending=True)
-    h = h[perm]  # copies, one at a time: the caller's H is left as it was
-    h = h[:, perm]
-    h[dead[perm], dead[perm]] = 1.0
-    diag = torch.diagonal(h)  # a view: the damping goes in place
-    mean = diag.mean()
-    added = 0.0
-    for extra in (damp, 0.1, 1.0):  # escalate the damping if H is numerically singular
-        diag += (extra - added) * mean
-        added = extra
-        try:
-            low = torch.linalg.cholesky(h)
-        except RuntimeError:
-            continue
-        del h, diag
-        hinv = torch.cholesky_inverse(low)
-        del low
-        return torch.linalg.cholesky(hinv, upper=True).to(torch.float32), perm, dead
-    raise ValueError("calibration Hessian is not positive definite even with damping")
-
-
-def gptq_rows(w: torch.Tensor, group_size: int, hinv_u: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor):
-    """GPTQ for rows w (float32 [R, K]) given ``gptq_factor``'s outputs. Same return values
-    as ``quantize_rows`` (the error is measured in weight space, against the input rows).
-
-    Columns go in act order (most active inputs first) while each group keeps the scale
-    and zero found by the ``clip`` search on the original weights ("static groups"), so
-    groups stay contiguous along K as the kernel requires."""
-    r, k = w.shape
-    g = group_size
-    orig = w
-    w = w.clone()
-    w[:, dead] = 0.0
-    _, sz, _, _ = quantize_rows(w, g, "clip", fast=True)
-    scale, zero = sz[..., 0].float().T, sz[..., 1].float().T  # [R, K/g]
-    grp = perm // g
-    sp, zp = scale[:, grp], zero[:, grp]  # per permuted column [R, K]
-    safe = torch.where(sp > 0, sp, torch.ones_like(sp))
-    w = w[:, perm]
-    qp = torch.empty(r, k)
-    for i1 in range(0, k, GPTQ_BLOCK):
-        i2 = min(k, i1 + GPTQ_BLOCK)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.empty_like(w1)
-        hinv1 = hinv_u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            c = i1 + i
-            x = w1[:, i]
-            q = torch.round((x - zp[:, c]) / safe[:, c] + 8.0).clamp_(0, 15)
-            qp[:, c] = q
-            e = (x - ((q - 8.0) * sp[:, c] + zp[:, c])) / hinv1[i, i]
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv_u[i1:i2, i2:]
-    qp = torch.where(sp > 0, qp, torch.full_like(qp, 8.0))
-    codes = torch.empty(r, k, dtype=torch.uint8)
-    codes[:, perm] = qp.to(torch.uint8)
-    err = float(((orig - dequantize_codes(codes, sz, g, torch.float32)) ** 2).sum(dtype=torch.float64))
-    ref = float((orig.to(torch.float64) ** 2).sum())
-    return codes, sz, err, ref

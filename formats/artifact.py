@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used
     import torch
 
 from . import constants as C
-from .layout import LAYOUTS
+from .layout import LAYOUTS, ROWS32
 from .manifest import LinearEntry, Manifest, ManifestError
 from .spec import ModelSpec, SpecError, builtin_recipes, linear_tensors
 from .tensorfile import TensorFileError, TensorInfo, read_header
@@ -131,7 +131,9 @@ class Artifact:
             if e is None:
                 raise ArtifactError(f"{path}: linear {name!r} missing from the manifest (config needs it); re-convert")
             g = e.group_size
-            if e.kind == C.KIND_INT4 and (g not in C.GROUP_SIZES or k % g):
+            if e.kind == C.KIND_LUT4 and m.layout != ROWS32:
+                raise ArtifactError(f"{path}: linear {name!r} is lut4, which only the rows32 layout holds; re-convert")
+            if e.kind in (C.KIND_INT4, C.KIND_LUT4) and (g not in C.GROUP_SIZES or k % g):
                 raise ArtifactError(f"{path}: linear {name!r} has group size {g!r}, which does not divide K={k} or is not one of {C.GROUP_SIZES}")
             if (e.n, e.k) != (n, k):
                 raise ArtifactError(f"{path}: linear {name!r} is {e.n}x{e.k} in the manifest but the config needs {n}x{k}")
@@ -242,7 +244,8 @@ class Artifact:
             b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size,
                                                                   lin.residual))
             roles[lin.role] = roles.get(lin.role, 0) + b
-            key = (f"g{lin.group_size}" + ("+residual" if lin.residual else "")) if lin.kind == C.KIND_INT4 else lin.kind
+            key = (f"g{lin.group_size}" + ("+residual" if lin.residual else "") + ("/lut4" if lin.kind == C.KIND_LUT4 else "")) \
+                if lin.group_size else lin.kind
             groups[key] = groups.get(key, 0) + 1
             q_params += lin.n * lin.k
             q_bytes += b

@@ -23,6 +23,7 @@ Tensor names (``L`` is the layer index)::
     <linear>.bias           bf16  [N]
     <linear>.residual       uint8 [N, K/2]      a split head's 4-bit residual codes (rows32 bytes, see below)
     <linear>.residual_scales bf16 [N, K/g]      their per-group scales
+    <linear>.levels         int8  [N, 16]       a lut4 linear's per-row levels (see below)
 
     linears: layers.L.qkv (q|k|v rows), layers.L.o, layers.L.gate_up (gate|up rows),
              layers.L.down, lm_head, embed (only when the embedding is not tied)
@@ -38,6 +39,12 @@ the size all int4 linears share, or null when they differ; ``group_sizes`` lists
 sizes, ascending; ``group_size_requested`` is what ``--group-size`` (default: the recipe's
 ``[quant] group_size``) asked for: a linear whose K it does not divide falls back to the
 recipe's ``group_size_fallbacks``.
+
+A *lut4* linear has 4-bit codes like int4 (``qweight`` packed as rows32 in every layout; lut4 is
+only written in the rows32 layout) and per-group ``scales_zeros``, plus ``levels`` int8 [N, 16]:
+each row's 16 levels, ascending, in -127..127. Its stored weight is
+``w = levels[n][q] * scale + zero``: the codes index a grid learned for the row instead of the
+uniform ``q - 8``.
 
 A *split* int4 linear (``"residual": true`` in the manifest; ``spark-convert --head split``
 makes the head one) adds a second 4-bit plane: ``r[n, k]`` in 0..15, packed like rows32
@@ -80,6 +87,7 @@ ROLES = LAYER_LINEARS + HEAD_ROLES
 LAYER_NORMS = ("attn_norm", "mlp_norm")
 
 KIND_INT4 = "int4"
+KIND_LUT4 = "lut4"  # 4-bit codes into a learned 16-level table per row (rows32 only; see above)
 KIND_INT8 = "int8"  # per-row symmetric int8 (torch's _weight_int8pack_mm), for sensitive roles
 KIND_BF16 = "bf16"
 

@@ -220,17 +220,26 @@ def gather_rows(packed: torch.Tensor, layout: str | Layout, n: int, k: int, rows
     return (flat[idx] >> shift[:, None].to(torch.uint8)) & 0xF
 
 
+def _apply_groups(vals: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, dtype) -> torch.Tensor:
+    """``vals * scale + zero`` per group, vals float32 [R, K], scales_zeros [K/g, R, 2]."""
+    r, k = vals.shape
+    g = group_size
+    sz = scales_zeros.to(torch.float32)
+    w = vals.reshape(r, k // g, g) * sz[..., 0].T.reshape(r, k // g, 1) + sz[..., 1].T.reshape(r, k // g, 1)
+    return w.reshape(r, k).to(dtype or torch.bfloat16)
+
+
 def dequantize_codes(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """``(q - 8) * scale + zero`` for codes ``[R, K]`` and scales_zeros ``[K/g, R, 2]`` (dtype: bf16 by default)."""
-    dtype = dtype or torch.bfloat16
-    r, k = codes.shape
-    g = group_size
-    sz = scales_zeros.to(torch.float32)
-    scale = sz[..., 0].T.reshape(r, k // g, 1)
-    zero = sz[..., 1].T.reshape(r, k // g, 1)
-    w = (codes.to(torch.float32).reshape(r, k // g, g) - 8.0) * scale + zero
-    return w.reshape(r, k).to(dtype)
+    return _apply_groups(codes.to(torch.float32) - 8.0, scales_zeros, group_size, dtype)
+
+
+def dequantize_codes_lut(codes: torch.Tensor, scales_zeros: torch.Tensor, levels: torch.Tensor, group_size: int,
+                         dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A lut4 linear's ``levels[r][q] * scale + zero`` (constants.py) for codes ``[R, K]``,
+    scales_zeros ``[K/g, R, 2]`` and levels ``[R, 16]`` (int8 or float; dtype: bf16 by default)."""
+    return _apply_groups(levels.to(torch.float32).gather(1, codes.long()), scales_zeros, group_size, dtype)
 
 
 def residual_rows(residual: torch.Tensor, rscales: torch.Tensor, n: int, k: int, group_size: int,

@@ -57,14 +57,15 @@ class LinearEntry:
 
     @classmethod
     def from_json(cls, name: str, e) -> "LinearEntry":
-        if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_INT8, C.KIND_BF16) \
+        if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_LUT4, C.KIND_INT8, C.KIND_BF16) \
                 or type(e.get("n")) is not int or type(e.get("k")) is not int \
                 or not (e.get("group_size") is None or type(e.get("group_size")) is int) \
                 or not isinstance(e.get("sources", []), list) or type(e.get("residual", False)) is not bool:
-            raise ManifestError(f"field 'linears.{name}' must be {{kind: int4|int8|bf16, n: int, k: int, "
+            raise ManifestError(f"field 'linears.{name}' must be {{kind: int4|lut4|int8|bf16, n: int, k: int, "
                                 "group_size: int|null, sources: list, residual: bool (optional)}")
         rel = e.get("rel_error")
-        return cls(name, e["kind"], e["n"], e["k"], e["group_size"] if e["kind"] == C.KIND_INT4 else None,
+        grouped = e["kind"] in (C.KIND_INT4, C.KIND_LUT4)
+        return cls(name, e["kind"], e["n"], e["k"], e["group_size"] if grouped else None,
                    list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None, e.get("residual", False))
 
 

@@ -369,6 +369,12 @@ def linear_tensors(name: str, kind: str, n: int, k: int, group_size: int | None,
             out[f"{name}.residual"] = (C.DTYPE_U8, (n, k // 2))
             out[f"{name}.residual_scales"] = (C.DTYPE_BF16, (n, k // group_size))
         return out
+    if kind == C.KIND_LUT4:
+        if group_size not in C.GROUP_SIZES or k % group_size or k % 32:
+            raise SpecError(f"{name}: group size {group_size} does not divide K={k} (lut4 also needs K % 32 == 0)")
+        return {f"{name}.qweight": (C.DTYPE_U8, (n, k // 2)),
+                f"{name}.scales_zeros": (C.DTYPE_BF16, (k // group_size, n, 2)),
+                f"{name}.levels": (C.DTYPE_I8, (n, 16))}
     if kind == C.KIND_INT8:
         return {f"{name}.qweight": (C.DTYPE_I8, (n, k)), f"{name}.scales": (C.DTYPE_BF16, (n,))}
     if kind == C.KIND_BF16:

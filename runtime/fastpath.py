@@ -15,7 +15,7 @@ from sparkq.formats import constants as C
 from sparkq.formats.layout import ROWS32
 
 from . import core
-from .weights import DenseLinear, Int4Linear, Int8Linear
+from .weights import DenseLinear, Int4Linear, Int8Linear, LutLinear
 
 
 def supported(model) -> str | None:
@@ -51,6 +51,8 @@ def prefill_supported(model, lib) -> str | None:
 
 def clinear(lin) -> core.CLinear:
     """A torch-runtime linear's buffers for the C core (a bf16 one as contiguous bf16)."""
+    if isinstance(lin, LutLinear):
+        return core.CLinear(C.KIND_LUT4, lin.n, lin.k, lin.g, lin.qweight, lin.scales_zeros, lut=lin.levels)
     if isinstance(lin, Int4Linear):
         return core.CLinear(C.KIND_INT4, lin.n, lin.k, lin.g, lin.qweight, lin.scales_zeros, res=lin.residual,
                             rsc=lin.rscales)

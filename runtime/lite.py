@@ -63,6 +63,9 @@ def _clinear(name: str, li, t: dict) -> core.CLinear:
     if li.kind == C.KIND_INT4:
         return core.CLinear(li.kind, li.n, li.k, li.group_size, t[f"{name}.qweight"], t[f"{name}.scales_zeros"],
                             res=t.get(f"{name}.residual"), rsc=t.get(f"{name}.residual_scales"))
+    if li.kind == C.KIND_LUT4:
+        return core.CLinear(li.kind, li.n, li.k, li.group_size, t[f"{name}.qweight"], t[f"{name}.scales_zeros"],
+                            lut=t[f"{name}.levels"])
     if li.kind == C.KIND_INT8:
         return core.CLinear(li.kind, li.n, li.k, 0, t[f"{name}.qweight"], t[f"{name}.scales"])
     return core.CLinear(li.kind, li.n, li.k, 0, t[f"{name}.weight"])

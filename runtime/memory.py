@@ -38,6 +38,8 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
         if isinstance(lin, Int4Linear):
             out.append(("embedding/head" if head else "int4 weights", f"{name}.qweight", lin.qweight))
             out.append(("embedding/head" if head else "scales/zeros", f"{name}.scales_zeros", lin.scales_zeros))
+            if getattr(lin, "levels", None) is not None:
+                out.append(("embedding/head" if head else "scales/zeros", f"{name}.levels", lin.levels))
             if lin.residual is not None:
                 out.append(("embedding/head" if head else "int4 weights", f"{name}.residual", lin.residual))
                 out.append(("embedding/head" if head else "scales/zeros", f"{name}.residual_scales", lin.rscales))

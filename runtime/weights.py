@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 from sparkq.formats import constants as C
-from sparkq.formats.layout import dequantize_codes, dequantize_t, gather_rows, get_layout, residual_rows, unpack
+from sparkq.formats.layout import (dequantize_codes, dequantize_codes_lut, dequantize_t, gather_rows, get_layout,
+                                   residual_rows, unpack)
 
 from .options import PREFILL_MODES  # noqa: F401  (the `--prefill` names of prefill_dequant)
 
@@ -174,6 +175,30 @@ class Int4Linear:
         return self.rows(ids)
 
 
+class LutLinear(Int4Linear):
+    """A lut4 linear (formats/constants.py): rows32 codes into each row's 16 learned levels. The C
+    core multiplies it (products, GEMMs and row dequantization); the torch fallback dequantizes
+    with a gather."""
+
+    def __init__(self, name: str, qweight, scales_zeros, levels, group_size: int, n: int, k: int, scratch: Scratch,
+                 prefill_dequant: bool | None = None):
+        super().__init__(name, qweight, scales_zeros, group_size, n, k, "rows32", scratch, prefill_dequant)
+        self.levels = levels
+
+    def rows(self, ids: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+        ids = ids.to(torch.int64)
+        codes = gather_rows(self.qweight, self.layout, self.n, self.k, ids)
+        return dequantize_codes_lut(codes, self.scales_zeros[:, ids], self.levels[ids], self.g, dtype)
+
+    def dequant(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.n))
+
+    def dequant_t(self, r0: int, r1: int) -> torch.Tensor:
+        out = self.scratch.get(self.k * (r1 - r0)).view(self.k, r1 - r0)
+        out.copy_(self.rows(torch.arange(r0, r1), self.scratch.dtype).T)
+        return out
+
+
 class Int8Linear:
     """Per-row int8 weights (sensitive roles such as the tied head): torch's int8 kernel,
     rows gathered straight from the mapped bytes for the embedding."""
@@ -235,6 +260,9 @@ def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratc
                                    lin.group_size, lin.n, lin.k, art.layout, scratch, prefill_dequant)
             if lin.residual:
                 out[name].residual, out[name].rscales = tensors[f"{name}.residual"], tensors[f"{name}.residual_scales"]
+        elif lin.kind == C.KIND_LUT4:
+            out[name] = LutLinear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales_zeros"],
+                                  tensors[f"{name}.levels"], lin.group_size, lin.n, lin.k, scratch, prefill_dequant)
         elif lin.kind == C.KIND_INT8:
             out[name] = Int8Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
         else:

@@ -92,15 +92,15 @@ def dequant_reference(loaded, dtype=torch.float32):
     """The same model on dense copies of its dequantized weights (dtype), for oracles."""
     from sparkq.formats.layout import dequantize_codes, unpack
     from sparkq.runtime.model import Model
-    from sparkq.runtime.weights import DenseLinear, Int4Linear
+    from sparkq.runtime.weights import DenseLinear, Int4Linear, LutLinear
 
     dense = {}
     for n, lin in loaded.model.lin.items():
-        if isinstance(lin, Int4Linear) and lin.residual is None:
+        if isinstance(lin, Int4Linear) and lin.residual is None and not isinstance(lin, LutLinear):
             w = dequantize_codes(unpack(lin.qweight, lin.layout, lin.n, lin.k), lin.scales_zeros, lin.g, torch.float32)
         elif isinstance(lin, DenseLinear):
             w = lin.weight.float()
-        else:  # Int8Linear, or a split Int4Linear (both planes: the stored weight)
+        else:  # Int8Linear, LutLinear, or a split Int4Linear (both planes: the stored weight)
             w = lin.rows(torch.arange(lin.n), torch.float32)
         dense[n] = DenseLinear(n, w.to(dtype))
     m = loaded.model

@@ -36,6 +36,24 @@ def _int4(n, k, g, seed=0, bias=False):
     return K_.SqLinear(q.data_ptr(), sz.data_ptr(), b.data_ptr() if b is not None else None, 0, n, k, g), w, b, keep
 
 
+def _lut4(n, k, g, seed=0):
+    """A lut4 linear: rows32 codes, per-group (scale, zero), each row's 16 ascending int8 levels
+    (one row with a level of -127 and one of 127: the extremes the products must hold)."""
+    from sparkq.formats.layout import dequantize_codes_lut
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    sz = torch.stack([torch.rand(k // g, n, generator=gen) * 0.002 + 0.0002,
+                      torch.randn(k // g, n, generator=gen) * 0.02], -1).to(torch.bfloat16).contiguous()
+    levels = torch.sort(torch.randint(-127, 128, (n, 16), generator=gen), dim=1).values.to(torch.int8)
+    levels[0, 0], levels[-1, -1] = -127, 127
+    levels = levels.contiguous()
+    q = torch.from_numpy(pack_rows(codes.numpy(), ROWS32, n))
+    w = dequantize_codes_lut(codes, sz, levels, g, torch.float64)
+    L = K_.SqLinear(q.data_ptr(), sz.data_ptr(), None, 3, n, k, g, None, None, levels.data_ptr())
+    return L, w, None, (q, sz, levels)
+
+
 def _int8(n, k, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
@@ -57,6 +75,12 @@ CASES = {  # name -> builder; shapes cover the 4-row blocks, their remainders an
     "int4-g64-chunks": lambda: _int4(32, 4416, 64),  # 34.5 VNNI steps: two column chunks, a half step
     "int4-g256-chunks": lambda: _int4(48, 8448, 256),  # 66 VNNI steps, two per group, three chunks
     "int4-g64-many-groups": lambda: _int4(32, 16448, 64),  # 257 groups: the AVX2 products on AVX512 too
+    "lut4-g32": lambda: _lut4(80, 96, 32),          # lut4: the same code paths as int4, levels by shuffle
+    "lut4-g64": lambda: _lut4(48, 576, 64),
+    "lut4-g128-blocks": lambda: _lut4(1041, 256, 128),
+    "lut4-g64-chunks": lambda: _lut4(32, 4416, 64),
+    "lut4-g256-chunks": lambda: _lut4(48, 8448, 256),
+    "lut4-g64-many-groups": lambda: _lut4(32, 16448, 64),
     "int8": lambda: _int8(83, 160),                  # 83 rows: one-row tail
     "bf16": lambda: _bf16(37, 72),                   # K not a multiple of 8: scalar tail
 }
@@ -175,7 +199,8 @@ def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case, build):
 
 
 @pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8", "int4-g64-chunks",
-                                  "int4-g256-chunks", "int4-g64-many-groups"])
+                                  "int4-g256-chunks", "int4-g64-many-groups", "lut4-g32", "lut4-g64", "lut4-g128-blocks",
+                                  "lut4-g64-chunks", "lut4-g256-chunks", "lut4-g64-many-groups"])
 @pytest.mark.parametrize("build", kernel_builds())
 def test_batch_equals_single_products_and_dequant(case, build):
     """The prompt GEMM (below 32 tokens: W4A8 on every build) against one product per token, and
@@ -205,7 +230,7 @@ def test_batch_equals_single_products_and_dequant(case, build):
         assert lib.sq_linear_batch(ctypes.byref(L), X[lo:hi].contiguous().data_ptr(), 0, hi - lo, part.data_ptr(),
                                    None) == 0
         assert torch.equal(part, Y[lo:hi]), (lo, hi)
-    if L.kind == 0:
+    if L.kind in (0, 3):  # int4, lut4
         out = torch.empty(L.n - 16, L.k)
         assert lib.sq_dequant_rows(ctypes.byref(L), 16, L.n, out.data_ptr()) == 0
         assert torch.allclose(out.double(), w[16:], atol=1e-6)
@@ -475,7 +500,7 @@ def test_abi_mirror_is_checked_against_the_library():
 
     lib = _lib("native")
     _, kinds, structs = abi.parse_desc(lib.sq_abi_desc().decode())
-    assert kinds == {"int4": 0, "int8": 1, "bf16": 2}
+    assert kinds == {"int4": 0, "int8": 1, "bf16": 2, "lut4": 3}
     assert structs["sq_model"] == abi._mirror(abi.SqModel) and structs["sq_linear"] == abi._mirror(abi.SqLinear)
 
     class Moved:  # the library as it would be with sq_model.eps one field later

@@ -11,7 +11,8 @@ from helpers import make_llama, run_cli
 from sparkq.convert.calib import BUNDLED
 from sparkq.convert.errors import ConvertError
 from sparkq.convert.pipeline import Options, convert
-from sparkq.convert.quantize import gptq_factor, gptq_rows, quantize_rows
+from sparkq.convert.gptq import gptq_factor, gptq_int4, gptq_rows
+from sparkq.convert.quantize import quantize_rows
 from sparkq.formats import Artifact
 from sparkq.formats.layout import dequantize_codes
 from sparkq.runtime import load
@@ -37,7 +38,7 @@ def test_gptq_with_uncorrelated_inputs_is_rounding_with_its_group_params():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 256, generator=gen)
     h = torch.diag(torch.rand(256, generator=gen) + 0.5)
-    codes, sz, _, _ = gptq_rows(w, 64, *gptq_factor(h))
+    codes, sz, _, _ = gptq_int4(w, 64, *gptq_factor(h))
     ref_codes, ref_sz, _, _ = quantize_rows(w, 64, "clip", fast=True)
     assert torch.equal(sz, ref_sz) and torch.equal(codes, ref_codes)
 
@@ -46,7 +47,7 @@ def test_gptq_lowers_output_error_and_codes_decode_in_kernel_convention():
     x = _correlated(4096, 256, 1)
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     h = x.T @ x
-    codes, sz, err, ref = gptq_rows(w, 64, *gptq_factor(h))
+    codes, sz, err, ref = gptq_int4(w, 64, *gptq_factor(h))
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and sz.shape == (4, 96, 2) and sz.dtype == torch.bfloat16
     deq = dequantize_codes(codes, sz, 64, torch.float32)
     assert abs(err - float(((w - deq) ** 2).sum())) < 1e-3 * err  # the reported error is the real one
@@ -56,12 +57,42 @@ def test_gptq_lowers_output_error_and_codes_decode_in_kernel_convention():
     assert gptq_e < 0.8 * clip_e, (gptq_e, clip_e)
 
 
+def test_gptq_factor_is_the_upper_cholesky_factor_of_the_damped_inverse():
+    x = _correlated(2048, 192, 5)
+    h = x.T @ x
+    u, perm, dead = gptq_factor(h)
+    hp = h[perm][:, perm].double()
+    hp += 0.05 * hp.diagonal().mean() * torch.eye(192, dtype=torch.float64)
+    assert torch.equal(u, torch.triu(u)) and (u.diagonal() > 0).all()
+    assert torch.allclose(u.double().T @ u.double(), torch.linalg.inv(hp), rtol=1e-3, atol=1e-3 * float(torch.linalg.inv(hp).abs().max()))
+    assert torch.equal(perm, torch.argsort(h.diagonal(), descending=True)) and not dead.any()
+
+
+@pytest.mark.parametrize("levels", [False, True])
+def test_gptq_c_block_kernel_equals_the_torch_reference(levels):
+    """The C inner loop (sq_gptq_block) and gptq_block_py do the same fp32 operations: the same
+    codes, on the uniform grid and on per-row level tables (with a zero-scale group)."""
+    from sparkq.runtime import core
+    if core.compiler() is None:
+        pytest.skip("no C compiler")
+    x = _correlated(2048, 256, 6)
+    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(7))
+    u, perm, dead = gptq_factor(x.T @ x)
+    _, sz, _, _ = quantize_rows(w, 64, "clip")
+    s, z = sz[..., 0].float().T.clone(), sz[..., 1].float().T.clone()
+    s[3, 1] = 0.0  # a group with no range
+    tab = torch.sort(torch.randn(40, 16, generator=torch.Generator().manual_seed(8)) * 4, dim=1).values if levels else None
+    a = gptq_rows(w, 64, s, z, u, perm, dead, tab, use_c=True)
+    b = gptq_rows(w, 64, s, z, u, perm, dead, tab, use_c=False)
+    assert torch.equal(a, b) and int(a.max()) <= 15
+
+
 def test_gptq_dead_inputs_and_singular_hessian():
     x = _correlated(512, 128, 3)
     x[:, 5] = 0.0  # an input that never fires
     x[:, 7] = x[:, 6]  # and two identical ones: H is singular without damping
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
-    codes, sz, err, ref = gptq_rows(w, 32, *gptq_factor(x.T @ x))
+    codes, sz, err, ref = gptq_int4(w, 32, *gptq_factor(x.T @ x))
     assert torch.isfinite(dequantize_codes(codes, sz, 32, torch.float32)).all() and 0 < err < ref
 
 

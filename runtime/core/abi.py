@@ -12,13 +12,13 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 6
+ABI = 7
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
 class SqLinear(ctypes.Structure):
     _fields_ = [("q", _P), ("sz", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I), ("g", _I),
-                ("res", _P), ("rsc", _P)]
+                ("res", _P), ("rsc", _P), ("lut", _P)]
 
 
 class SqLayer(ctypes.Structure):
@@ -52,6 +52,8 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_linear_f32": (ctypes.c_int, [_PTR(SqLinear), _P, _P]),
     "sq_linear_batch": (ctypes.c_int, [_PTR(SqLinear), _P, _I, _I, _P, _P]),
     "sq_dequant_rows": (ctypes.c_int, [_PTR(SqLinear), _I, _I, _P]),
+    "sq_gptq_block": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _P, _P, _I, _I, _P, _I, _P]),
+    "sq_lut_fit": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _P]),
 }
 
 

@@ -41,6 +41,7 @@ class CLinear:
     bias: object = None
     res: object = None
     rsc: object = None
+    lut: object = None  # lut4: int8 [N, 16] levels
 
 
 def ptr(buf) -> int | None:
@@ -58,7 +59,7 @@ def ptr(buf) -> int | None:
 
 def linear_struct(lib, lin: CLinear) -> abi.SqLinear:
     return abi.SqLinear(ptr(lin.q), ptr(lin.sz), ptr(lin.bias), kind_code(lib, lin.kind), lin.n, lin.k, lin.g,
-                        ptr(lin.res), ptr(lin.rsc))
+                        ptr(lin.res), ptr(lin.rsc), ptr(lin.lut))
 
 
 class Session:

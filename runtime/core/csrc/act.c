@@ -53,12 +53,12 @@ static void sq_act_free(sq_act *a) {
  * the buffer is K rounded up to 128). Lane l of a VNNI product of quad p then covers sub-block
  * l % 4 of block 4p + l / 4, whose scale is s8[16p + l]. */
 static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
-    const int64_t k = L->k, G = L->kind == KIND_INT4 ? L->g : 32;
+    const int64_t k = L->k, G = is_q4(L) ? L->g : 32;
     a->x = x;
 #if defined(SQ_AVX512) /* quad where a 16-row chunk's scales fit gemv_q4_a8quad_avx512's buffer */
-    a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0 ? (k / G <= QUAD_MAX_GROUPS ? 2 : 1) : 0;
+    a->paired = is_q4(L) && k % 64 == 0 && G % 64 == 0 ? (k / G <= QUAD_MAX_GROUPS ? 2 : 1) : 0;
 #elif defined(SQ_AVX2)
-    a->paired = L->kind == KIND_INT4 && k % 64 == 0 && G % 64 == 0;
+    a->paired = is_q4(L) && k % 64 == 0 && G % 64 == 0;
 #else
     a->paired = 0;
 #endif

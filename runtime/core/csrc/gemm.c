@@ -9,7 +9,10 @@
 static void gemm_q4_block(const sq_linear *L, const sq_act *a, int64_t M, float *Y, uint16_t *ybf, int64_t n0,
                             int64_t n1, float *buf, float *yblk) {
     const int64_t N = L->n, ng = L->k / L->g, ppg = L->g / 64, nb = n1 - n0;
-    float *sw = buf, *zt = buf + nb * ng; /* zt: [2 ng][nb], z[g] rows then -8 s[g] rows */
+    float *sw = buf, *zt = buf + nb * ng; /* zt: [2 ng][nb], z[g] rows then -off s[g] rows */
+    const int lut = L->kind == KIND_LUT4;
+    /* the codes' offset: int4 q - 8; lut4 levels + 128 on VNNI (unsigned), as they are on AVX2 */
+    const float off = lut ? (a[0].paired == 2 ? 128.f : 0.f) : 8.f;
     float *Yw = ybf ? yblk : Y + n0; /* row t of the block's output at Yw + t * ldy */
     const int64_t ldy = ybf ? nb : N;
     for (int64_t n = n0; n < n1; n++)
@@ -17,14 +20,15 @@ static void gemm_q4_block(const sq_linear *L, const sq_act *a, int64_t M, float 
             const float s = bf(L->sz[2 * (g * N + n)]), z = bf(L->sz[2 * (g * N + n) + 1]);
             sw[(n - n0) * ng + g] = s;
             zt[g * nb + n - n0] = z;
-            zt[(ng + g) * nb + n - n0] = -8.f * s;
+            zt[(ng + g) * nb + n - n0] = -off * s;
         }
 #ifdef SQ_AVX512
     if (a[0].paired == 2) {
         const int64_t nq = L->k / 128, qc = KC_BYTES / 128; /* quad steps, per column chunk */
         for (int64_t q0 = 0; q0 < nq || (q0 == 0 && L->k % 128); q0 += qc) {
             const int64_t q1 = q0 + qc < nq ? q0 + qc : nq;
-            gemm_q4_a8quad_avx512(L, a, M, sw, Yw, ldy, n0, n1, q0, q1, q1 == nq && L->k % 128, q0 > 0);
+            (lut ? gemm_l4_a8quad_avx512 : gemm_q4_a8quad_avx512)(L, a, M, sw, Yw, ldy, n0, n1, q0, q1,
+                                                                  q1 == nq && L->k % 128, q0 > 0);
         }
     } else
 #endif
@@ -32,9 +36,15 @@ static void gemm_q4_block(const sq_linear *L, const sq_act *a, int64_t M, float 
     const int64_t gc = KC_BYTES / L->g > 0 ? KC_BYTES / L->g : 1; /* groups per column chunk */
     for (int64_t g0 = 0; g0 < ng; g0 += gc) {
         const int64_t g1 = g0 + gc < ng ? g0 + gc : ng;
-        if (ppg == 1) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 1);
-        else if (ppg == 2) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 2);
-        else gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 4);
+        if (lut) {
+            if (ppg == 1) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 1, 1);
+            else if (ppg == 2) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 2, 1);
+            else gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 4, 1);
+        } else {
+            if (ppg == 1) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 1, 0);
+            else if (ppg == 2) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 2, 0);
+            else gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 4, 0);
+        }
     }
     }
     for (int64_t t = 0; t < M; t++) {
@@ -110,7 +120,7 @@ static int linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64
     if (oom) { free(a); free(qbuf); free(fbuf); return -1; }
     int fused = 0; /* the int4 GEMM writes ybf itself */
 #ifdef SQ_AVX2
-    if (L->kind == KIND_INT4 && a[0].paired) {
+    if (is_q4(L) && a[0].paired) {
         /* blocks of at most NCB_BYTES of weights (16-row multiples), as many as a multiple of
          * the thread count so that every thread gets the same number of rows */
         int64_t nc = NCB_BYTES / (K / 2), nthr = 1;
@@ -160,7 +170,7 @@ static int linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64
                 if (L->kind == KIND_INT8) gemv_q8_a8_c(L, &a[t], Y + t * N, 0, N);
                 else
 #endif
-                gemv_q4_a8_c(L, &a[t], Y + t * N, 0, N);
+                (L->kind == KIND_LUT4 ? gemv_l4_a8_c : gemv_q4_a8_c)(L, &a[t], Y + t * N, 0, N);
             }
         }
         if (ybf) {
@@ -176,35 +186,45 @@ int sq_linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64_t M
     return linear_batch(L, X, x_bf16, M, Y, ybf, NULL);
 }
 
-/* W rows [r0, r1) of an int4 rows32 linear, dequantized to fp32 [r1 - r0, K] (prefill: the
- * caller multiplies with a dense GEMM). */
+/* W rows [r0, r1) of an int4 or lut4 rows32 linear, dequantized to fp32 [r1 - r0, K] (prefill:
+ * the caller multiplies with a dense GEMM). */
 int sq_dequant_rows(const sq_linear *L, int64_t r0, int64_t r1, float *out) {
     const int64_t K = L->k, N = L->n, G = L->g;
-    if (L->kind != KIND_INT4 || r0 < 0 || r1 > N || r0 > r1) return -1;
+    if (!is_q4(L) || r0 < 0 || r1 > N || r0 > r1) return -1;
+    const int lut = L->kind == KIND_LUT4;
 #pragma omp parallel for schedule(static)
     for (int64_t n = r0; n < r1; n++) {
         const uint8_t *w = L->q + n * (K / 2);
         float *o = out + (n - r0) * K;
+        int8_t t[16]; /* the codes' values: q - 8 (int4) or the row's levels */
+        for (int j = 0; j < 16; j++) t[j] = lut ? L->lut[16 * n + j] : (int8_t)(j - 8);
         for (int64_t gi = 0; gi < K / G; gi++) {
             const uint16_t *p = L->sz + 2 * (gi * N + n);
-            const float s = bf(p[0]), c = bf(p[1]) - 8.f * s;
+            const float s = bf(p[0]), z = bf(p[1]);
             for (int64_t b = gi * (G / 32); b < (gi + 1) * (G / 32); b++) {
                 const uint8_t *wb = w + 16 * b;
                 float *ob = o + 32 * b;
 #ifdef SQ_AVX2
-                const __m256 sv = _mm256_set1_ps(s), cv = _mm256_set1_ps(c);
-                __m128i raw = _mm_loadu_si128((const __m128i *)wb);
-                __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
-                _mm256_storeu_ps(ob, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sv, cv));
-                _mm256_storeu_ps(ob + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sv, cv));
-                _mm256_storeu_ps(ob + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sv, cv));
-                _mm256_storeu_ps(ob + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sv, cv));
-#else
-                for (int j = 0; j < 16; j++) {
-                    ob[j] = (wb[j] & 15) * s + c;
-                    ob[j + 16] = (wb[j] >> 4) * s + c;
+                if (!lut) { /* (q - 8) s + z as q s + (z - 8 s), as before the lut4 kind */
+                    const __m256 sv = _mm256_set1_ps(s), cv = _mm256_set1_ps(z - 8.f * s);
+                    __m128i raw = _mm_loadu_si128((const __m128i *)wb);
+                    __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
+                    _mm256_storeu_ps(ob, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sv, cv));
+                    _mm256_storeu_ps(ob + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sv, cv));
+                    _mm256_storeu_ps(ob + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sv, cv));
+                    _mm256_storeu_ps(ob + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sv, cv));
+                    continue;
                 }
 #endif
+                for (int j = 0; j < 16; j++) {
+                    if (lut) {
+                        ob[j] = t[wb[j] & 15] * s + z;
+                        ob[j + 16] = t[wb[j] >> 4] * s + z;
+                    } else {
+                        ob[j] = (wb[j] & 15) * s + (z - 8.f * s);
+                        ob[j + 16] = (wb[j] >> 4) * s + (z - 8.f * s);
+                    }
+                }
             }
         }
     }

@@ -29,8 +29,11 @@
  * g = 64, 128, 256) */
 static inline __attribute__((always_inline)) void tile_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, const float *s,
                                                             float *Y, int64_t ldy, int64_t col, int64_t n, int64_t t0,
-                                                            int64_t g0, int64_t g1, int add, const int T, const int PPG) {
+                                                            int64_t g0, int64_t g1, int add, const int T, const int PPG,
+                                                            const int LUT) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i tab = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n)))
+                            : _mm256_setzero_si256(); /* lut4: the row's levels (gemv_avx2.c) */
     const int8_t *xq[TT];
     const float *xs8[TT];
     for (int t = 0; t < T; t++) xq[t] = a[t0 + t].q, xs8[t] = a[t0 + t].s8;
@@ -43,13 +46,22 @@ static inline __attribute__((always_inline)) void tile_q4_a8pair_avx2(const sq_l
         for (int pp = 0; pp < PPG; pp++) {
             const int64_t p = gi * PPG + pp;
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
-            const __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+            __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+            __m256i tl = lo, th = hi;
+            if (LUT) {
+                tl = _mm256_shuffle_epi8(tab, lo), th = _mm256_shuffle_epi8(tab, hi);
+                lo = _mm256_sign_epi8(tl, tl), hi = _mm256_sign_epi8(th, th); /* |levels| */
+            }
             for (int t = 0; t < T; t++) {
                 const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq[t] + 64 * p));
                 const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq[t] + 64 * p + 32));
-                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-                gacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)),
-                                          _mm256_loadu_ps(xs8[t] + 8 * p), gacc[t]);
+                __m256i d;
+                if (LUT)
+                    d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_sign_epi8(xl, tl)), ones),
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_sign_epi8(xh, th)), ones));
+                else
+                    d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
+                gacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xs8[t] + 8 * p), gacc[t]);
             }
         }
         const __m256 sv = _mm256_broadcast_ss(s + gi);
@@ -73,13 +85,16 @@ static inline __attribute__((always_inline)) void tile_q4_a8pair_avx2(const sq_l
 /* Y[t * ldy + n - n0]: tiles for rows [n0, n1) and all M tokens */
 static inline __attribute__((always_inline)) void gemm_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, int64_t M,
                                                              const float *sw, float *Y, int64_t ldy, int64_t n0,
-                                                             int64_t n1, int64_t g0, int64_t g1, int add, const int PPG) {
+                                                             int64_t n1, int64_t g0, int64_t g1, int add, const int PPG,
+                                                             const int LUT) {
     const int64_t ng = L->k / L->g;
     int64_t t = 0;
     for (; t + TT <= M; t += TT)
-        for (int64_t n = n0; n < n1; n++) tile_q4_a8pair_avx2(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, g0, g1, add, TT, PPG);
+        for (int64_t n = n0; n < n1; n++)
+            tile_q4_a8pair_avx2(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, g0, g1, add, TT, PPG, LUT);
     for (; t < M; t++)
-        for (int64_t n = n0; n < n1; n++) tile_q4_a8pair_avx2(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, g0, g1, add, 1, PPG);
+        for (int64_t n = n0; n < n1; n++)
+            tile_q4_a8pair_avx2(L, a, sw + (n - n0) * ng, Y, ldy, n - n0, n, t, g0, g1, add, 1, PPG, LUT);
 }
 
 

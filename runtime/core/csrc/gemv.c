@@ -1,13 +1,17 @@
 /* The decode products' portable references (natural activation order), rows [r0, r1) of
- * y = W x: int4 and int8 weights x int8 activations (gemv_*_a8_c), bf16 weights x fp32, and the
+ * y = W x: int4, lut4 and int8 weights x int8 activations (gemv_*_a8_c), bf16 weights x fp32, and the
  * exact fp64 row dot (the head refinement and the SQ_EXACT build). The SIMD versions are in
  * gemv_avx2.c and gemv_avx512.c, the dispatch between them in gemv_dispatch.c; tests compare
  * every build against these. */
 
-static __attribute__((unused)) void gemv_q4_a8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+/* int4 (lut == NULL: codes q stand for q - 8, applied through the groups' quantized activation
+ * sums) and lut4 (the codes index the row's 16 levels, no offset) */
+static inline void gemv_4bit_a8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1, int lut) {
     const int64_t K = L->k, N = L->n, G = L->g, bpg = G / 32, ngroups = K / G;
+    static const int8_t ident[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t n = r0; n < r1; n++) {
         const uint8_t *w = L->q + n * (K / 2);
+        const int8_t *t = lut ? L->lut + 16 * n : ident;
         float acc = 0.f;
         for (int64_t gi = 0; gi < ngroups; gi++) {
             const uint16_t *p = L->sz + 2 * (gi * N + n);
@@ -17,14 +21,22 @@ static __attribute__((unused)) void gemv_q4_a8_c(const sq_linear *L, const sq_ac
                 const int8_t *xb = a->q + 32 * b;
                 for (int i = 0; i < 4; i++) { /* sub-block i: its own activation scale */
                     int32_t d = 0;
-                    for (int j = 4 * i; j < 4 * i + 4; j++) d += (wb[j] & 15) * xb[j] + (wb[j] >> 4) * xb[j + 16];
+                    for (int j = 4 * i; j < 4 * i + 4; j++) d += t[wb[j] & 15] * xb[j] + t[wb[j] >> 4] * xb[j + 16];
                     gacc += (float)d * a->s8[4 * b + i];
                 }
             }
-            acc += gacc * s + z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
+            acc += gacc * s + z * a->gsum[gi] - (lut ? 0.f : 8.f * s * a->gqsum[gi]);
         }
         y[n] = acc;
     }
+}
+
+static __attribute__((unused)) void gemv_q4_a8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    gemv_4bit_a8_c(L, a, y, r0, r1, 0);
+}
+
+static __attribute__((unused)) void gemv_l4_a8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    gemv_4bit_a8_c(L, a, y, r0, r1, 1);
 }
 
 static __attribute__((unused)) void gemv_q8_a8_c(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
@@ -68,13 +80,14 @@ static void gemv_bf16_f32(const sq_linear *L, const float *x, float *y, int64_t 
 static double exact_row_dot(const sq_linear *L, int64_t n, const float *x) {
     const int64_t K = L->k;
     double acc = 0.0;
-    if (L->kind == KIND_INT4) {
+    if (is_q4(L)) {
         const uint8_t *w = L->q + n * (K / 2);
         for (int64_t k = 0; k < K; k++) {
             uint8_t byte = w[(k / 32) * 16 + (k % 16)];
             int q = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
             const uint16_t *p = L->sz + 2 * ((k / L->g) * L->n + n);
-            acc += (double)((q - 8.f) * bf(p[0]) + bf(p[1])) * x[k];
+            const float c = L->kind == KIND_LUT4 ? (float)L->lut[16 * n + q] : q - 8.f;
+            acc += (double)(c * bf(p[0]) + bf(p[1])) * x[k];
         }
     } else if (L->kind == KIND_INT8) {
         const int8_t *w = (const int8_t *)L->q + n * K;

@@ -1,11 +1,17 @@
-/* The decode products (GEMV, rows [r0, r1) of y = W x) on AVX2: int4 x paired int8 activations
- * (maddubs), int8 x int8 (sign trick + maddubs). The portable reference is gemv.c. */
+/* The decode products (GEMV, rows [r0, r1) of y = W x) on AVX2: int4 and lut4 x paired int8
+ * activations (maddubs), int8 x int8 (sign trick + maddubs). The portable reference is gemv.c. */
 #ifdef SQ_AVX2
-/* int4 x paired int8 activations, one row. The bytes `ahead` rows further on are prefetched
- * as they are read: a software stream beside the hardware one. */
-static inline void row_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t n, int64_t ahead) {
+/* int4 (LUT = 0) or lut4 (LUT = 1) x paired int8 activations, one row. A lut4 row's codes pick its
+ * levels by a byte shuffle (its 16 levels in both lanes), multiplied with the sign trick (|t| and
+ * x with t's sign: maddubs wants an unsigned operand), each half widened by its own madd (two
+ * products of up to 127 x 127 overflow int16 together). The bytes `ahead` rows further on are
+ * prefetched as they are read: a software stream beside the hardware one. */
+static inline __attribute__((always_inline)) void row_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
+                                                                     int64_t n, int64_t ahead, const int LUT) {
     const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G, rb = K / 2;
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i tab = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n)))
+                            : _mm256_setzero_si256();
     __m256 acc = _mm256_setzero_ps();
     float zt = 0.f;
     const uint8_t *w = L->q + n * rb;
@@ -18,13 +24,21 @@ static inline void row_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, float
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
             _mm_prefetch((const char *)(w + ahead * rb + 32 * p), _MM_HINT_T0);
             const __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-            gacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), _mm256_loadu_ps(a->s8 + 8 * p), gacc);
+            __m256i d;
+            if (LUT) {
+                const __m256i tl = _mm256_shuffle_epi8(tab, lo), th = _mm256_shuffle_epi8(tab, hi);
+                d = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(tl, tl), _mm256_sign_epi8(xl, tl)), ones),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(th, th), _mm256_sign_epi8(xh, th)), ones));
+            } else {
+                d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
+            }
+            gacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(a->s8 + 8 * p), gacc);
         }
         const uint16_t *p = L->sz + 2 * (gi * N + n);
         const float s = bf(p[0]), z = bf(p[1]);
         acc = _mm256_fmadd_ps(gacc, _mm256_set1_ps(s), acc);
-        zt += z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
+        zt += LUT ? z * a->gsum[gi] : z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
     }
     y[n] = hsum8(acc) + zt;
 }
@@ -37,12 +51,21 @@ static inline void row_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, float
  * interleaved builds, 2-3 rounds): Qwen3-1.7B shape 8.9-10.5 tok/s with the previous 4 rows at a
  * time and a one-block prefetch, 10.3-11.2 one row with 2 rows ahead, 11.2-13.7 adding the
  * scale prefetch; example 88-105 -> 97-105 (2 rows ahead) / 100-111 (4 rows = 1152 bytes). */
-static void gemv_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+static inline __attribute__((always_inline)) void rows_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
+                                                                      int64_t r0, int64_t r1, const int LUT) {
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2;
     const int64_t ahead = rows_ahead(rb, 1024);
     for (int64_t gi = 0; gi < ng && r0 + 32 < N; gi++)
         _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 32)), _MM_HINT_T0);
-    for (int64_t n = r0; n < r1; n++) row_q4_a8pair_avx2(L, a, y, n, ahead);
+    for (int64_t n = r0; n < r1; n++) row_x4_a8pair_avx2(L, a, y, n, ahead, LUT);
+}
+
+static void gemv_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    rows_x4_a8pair_avx2(L, a, y, r0, r1, 0);
+}
+
+static void gemv_l4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    rows_x4_a8pair_avx2(L, a, y, r0, r1, 1);
 }
 
 static inline __attribute__((always_inline)) void row_q8_a8_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t n,

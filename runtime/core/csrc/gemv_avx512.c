@@ -1,4 +1,4 @@
-/* The decode products on AVX512-VNNI: int4 x quad int8 activations and int8 x int8 (vpdpbusd).
+/* The decode products on AVX512-VNNI: int4 and lut4 x quad int8 activations and int8 x int8 (vpdpbusd).
  * The portable reference is gemv.c; the AVX2 versions (gemv_avx2.c) take rows with more groups
  * than QUAD_MAX_GROUPS. */
 #ifdef SQ_AVX512
@@ -12,21 +12,29 @@ static inline __m512 step_scales(const float *s, int gsh, int64_t p, int64_t st)
 static inline int group_shift(int64_t G) { return G == 64 ? -1 : __builtin_ctzll((uint64_t)G) - 7; }
 
 /* One quad step p (128 columns) of one row w: the 16 lanes' integer dot products (each over
- * the 8 columns of one activation scale), as fp32; the bytes `ahead` of them prefetched. */
+ * the 8 columns of one activation scale), as fp32; the bytes `ahead` of them prefetched. lut4
+ * (LUT = 1): the codes pick the row's levels + 128 (unsigned, as vpdpbusd wants) from tab, its 16
+ * levels in every 128-bit lane; the caller subtracts the 128 with the zero terms. */
 static inline __attribute__((always_inline)) __m512 quad_dot(const uint8_t *w, const uint8_t *ahead, __m512i xl,
-                                                             __m512i xh, int64_t p) {
+                                                             __m512i xh, int64_t p, __m512i tab, const int LUT) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), wv = _mm512_loadu_si512((const void *)(w + 64 * p));
     _mm_prefetch((const char *)(ahead + 64 * p), _MM_HINT_T0);
-    const __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+    __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+    if (LUT) lo = _mm512_shuffle_epi8(tab, lo), hi = _mm512_shuffle_epi8(tab, hi);
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
 }
 
 /* The half step after the last whole quad (K % 128 == 64, then g = 64: one group): row w's
  * codes of blocks 4p, 4p + 1 against their quad-order activations through 256-bit VNNI, times
  * the activation scales, summed (the weight scale is the caller's). */
-static inline float half_step(const uint8_t *w, const int8_t *xq, const float *s8, int64_t p) {
+static inline __attribute__((always_inline)) float half_step(const uint8_t *w, const int8_t *xq, const float *s8,
+                                                             int64_t p, __m512i tab, const int LUT) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
-    const __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+    __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+    if (LUT) {
+        const __m256i t = _mm512_castsi512_si256(tab);
+        lo = _mm256_shuffle_epi8(t, lo), hi = _mm256_shuffle_epi8(t, hi);
+    }
     __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq + 128 * p)));
     d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(xq + 128 * p + 64)));
     return hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p)));
@@ -37,10 +45,14 @@ static inline float half_step(const uint8_t *w, const int8_t *xq, const float *s
  * Per 128 columns one 64-byte weight load, two masks, two vpdpbusd, a convert and two FMAs
  * (activation scales, weight scales; g >= 256: the weight scale once per group, through a group
  * accumulator); a last half step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
-static inline __attribute__((always_inline)) void row_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t n,
-                                                              const float *sc, float zt, int64_t ahead) {
+static inline __attribute__((always_inline)) void row_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y,
+                                                                       int64_t n, const float *sc, float zt, int64_t ahead,
+                                                                       const int LUT) {
     const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
     const uint8_t *w = L->q + n * rb, *wa = w + ahead * rb;
+    const __m512i tab = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n))),
+                                               _mm512_set1_epi8((char)0x80))
+                            : _mm512_setzero_si512();
     __m512 acc = _mm512_setzero_ps();
     if (G <= 128) { /* one step per scale vector: no group accumulator */
         const int gsh = group_shift(G);
@@ -48,7 +60,7 @@ static inline __attribute__((always_inline)) void row_q4_a8quad_avx512(const sq_
             const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
             const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
             const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(w, wa, xl, xh, p), xs), step_scales(sc, gsh, p, 16), acc);
+            acc = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(w, wa, xl, xh, p, tab, LUT), xs), step_scales(sc, gsh, p, 16), acc);
         }
     } else {
         const int64_t spg = G / 128;
@@ -58,12 +70,12 @@ static inline __attribute__((always_inline)) void row_q4_a8quad_avx512(const sq_
                 const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
                 const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
                 const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-                gacc = _mm512_fmadd_ps(quad_dot(w, wa, xl, xh, p), xs, gacc);
+                gacc = _mm512_fmadd_ps(quad_dot(w, wa, xl, xh, p, tab, LUT), xs, gacc);
             }
             acc = _mm512_fmadd_ps(gacc, _mm512_set1_ps(sc[16 * gi]), acc);
         }
     }
-    const float t = K % 128 ? half_step(w, a->q, a->s8, nq) * sc[16 * (ng - 1)] : 0.f;
+    const float t = K % 128 ? half_step(w, a->q, a->s8, nq, tab, LUT) * sc[16 * (ng - 1)] : 0.f;
     y[n] = _mm512_reduce_add_ps(acc) + t + zt;
 }
 
@@ -80,11 +92,8 @@ static inline __attribute__((always_inline)) void row_q4_a8quad_avx512(const sq_
  * followed worse: every body product of the 1.7B shape in step order (scratch ctypes script,
  * not kept; 3 interleaved rounds with a streaming-read probe) 27.6 -> 33.0-34.0 GB/s on one
  * thread (probe ~41), 34 -> 40 on two (probe ~49). */
-static void gemv_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
-    if (r1 - r0 > 16) {
-        for (int64_t c = r0; c < r1; c += 16) gemv_q4_a8quad_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1);
-        return;
-    }
+static inline __attribute__((always_inline)) void chunk_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y,
+                                                                         int64_t r0, int64_t r1, const int LUT) {
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, nr = r1 - r0;
     const int64_t ahead = rows_ahead(rb, 8192);
     float sc[16 * QUAD_MAX_GROUPS] __attribute__((aligned(64))), zt[16];
@@ -97,7 +106,8 @@ static void gemv_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y,
         const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), z = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
         _mm512_store_ps(sc + 16 * gi, s);
         ztv = _mm512_add_ps(ztv, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_set1_ps(a->gsum[gi])),
-                                               _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), s), _mm512_set1_ps(a->gqsum[gi]))));
+                                               _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(LUT ? 128.f : 8.f), s),
+                                                             _mm512_set1_ps(a->gqsum[gi]))));
     }
     _mm512_storeu_ps(zt, ztv);
     const int64_t per = (ng + 15) / 16; /* scale lines of the chunk 3 on, spread over the rows */
@@ -105,8 +115,16 @@ static void gemv_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y,
         if (r0 + 64 < N)
             for (int64_t gi = i * per; gi < (i + 1) * per && gi < ng; gi++)
                 _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
-        row_q4_a8quad_avx512(L, a, y, r0 + i, sc + i, zt[i], ahead);
+        row_x4_a8quad_avx512(L, a, y, r0 + i, sc + i, zt[i], ahead, LUT);
     }
+}
+
+static void gemv_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    for (int64_t c = r0; c < r1; c += 16) chunk_x4_a8quad_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1, 0);
+}
+
+static void gemv_l4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
+    for (int64_t c = r0; c < r1; c += 16) chunk_x4_a8quad_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1, 1);
 }
 #endif
 

@@ -11,7 +11,7 @@ static void prep(const sq_linear *L, const float *x, sq_act *a) {
 }
 
 /* The dispatch table: the decode product each (weight kind, activation order) takes in this build.
- * Int4 is indexed by sq_act.paired (0 natural, 1 AVX2 paired, 2 AVX512 quad: act.c). */
+ * int4 and lut4 are indexed by sq_act.paired (0 natural, 1 AVX2 paired, 2 AVX512 quad: act.c). */
 typedef void (*gemv_fn)(const sq_linear *, const sq_act *, float *, int64_t, int64_t);
 static const gemv_fn GEMV_Q4[3] = {
     gemv_q4_a8_c,
@@ -24,6 +24,19 @@ static const gemv_fn GEMV_Q4[3] = {
     gemv_q4_a8quad_avx512,
 #else
     gemv_q4_a8_c,
+#endif
+};
+static const gemv_fn GEMV_L4[3] = {
+    gemv_l4_a8_c,
+#ifdef SQ_AVX2
+    gemv_l4_a8pair_avx2,
+#else
+    gemv_l4_a8_c,
+#endif
+#ifdef SQ_AVX512
+    gemv_l4_a8quad_avx512,
+#else
+    gemv_l4_a8_c,
 #endif
 };
 #if defined(SQ_AVX512)
@@ -41,6 +54,7 @@ static void rows(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int6
     else
 #endif
     if (L->kind == KIND_INT4) GEMV_Q4[a->paired](L, a, y, r0, r1);
+    else if (L->kind == KIND_LUT4) GEMV_L4[a->paired](L, a, y, r0, r1);
     else if (L->kind == KIND_INT8) GEMV_Q8(L, a, y, r0, r1);
     else gemv_bf16_f32(L, a->x, y, r0, r1);
     if (L->bias)
@@ -93,7 +107,7 @@ static void products(const sq_linear *L, const sq_act *a, float *y) {
         return;
     }
     /* blocks of >= 16 KiB of weights (one compare-and-swap per ~1 us of streaming) */
-    const int64_t rowbytes = L->kind == KIND_INT4 ? L->k / 2 : L->kind == KIND_INT8 ? L->k : 2 * L->k;
+    const int64_t rowbytes = is_q4(L) ? L->k / 2 : L->kind == KIND_INT8 ? L->k : 2 * L->k;
     int64_t per = (16384 + 16 * rowbytes - 1) / (16 * rowbytes);
     if (per < 1) per = 1;
     if ((chunks + per - 1) / per > 0xffff) per = (chunks + 0xfffe) / 0xffff; /* 16-bit block indices */

@@ -99,14 +99,16 @@ static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
 /* embedding row -> fp32 */
 static void embed_row(const sq_linear *E, int64_t id, float *x) {
     const int64_t K = E->k;
-    if (E->kind == KIND_INT4) {
+    if (is_q4(E)) {
         const uint8_t *w = E->q + id * (K / 2);
+        float t[16]; /* the codes' values: q - 8 (int4) or the row's levels (lut4) */
+        for (int j = 0; j < 16; j++) t[j] = E->kind == KIND_LUT4 ? (float)E->lut[16 * id + j] : j - 8.f;
         for (int64_t b = 0; b < K / 32; b++)
             for (int j = 0; j < 16; j++) {
                 int64_t k0 = 32 * b + j, k1 = k0 + 16;
                 const uint16_t *p0 = E->sz + 2 * ((k0 / E->g) * E->n + id), *p1 = E->sz + 2 * ((k1 / E->g) * E->n + id);
-                x[k0] = ((w[16 * b + j] & 15) - 8.f) * bf(p0[0]) + bf(p0[1]);
-                x[k1] = ((w[16 * b + j] >> 4) - 8.f) * bf(p1[0]) + bf(p1[1]);
+                x[k0] = t[w[16 * b + j] & 15] * bf(p0[0]) + bf(p0[1]);
+                x[k1] = t[w[16 * b + j] >> 4] * bf(p1[0]) + bf(p1[1]);
                 if (E->res) { /* a split embedding: add the second plane */
                     const uint8_t r = E->res[id * (K / 2) + 16 * b + j];
                     const uint16_t *rs = E->rsc + id * (K / E->g);

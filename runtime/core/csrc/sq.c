@@ -25,7 +25,7 @@
  * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products), pointwise.c (norms, RoPE,
  * activations, embedding rows), attention.c (decode and prompt attention), head.c (top-k
  * selection and exact refinement of the head's logits), step.c (workspace, sq_step, sq_head),
- * prefill.c (sq_prefill). Naming: <op>_<weight>_<activation>[_<isa>], e.g. gemv_q4_a8quad_avx512. */
+ * prefill.c (sq_prefill), gptq.c (the converter's GPTQ inner loop). Naming: <op>_<weight>_<activation>[_<isa>], e.g. gemv_q4_a8quad_avx512. */
 #include <stddef.h>
 #include <stdio.h>
 
@@ -46,6 +46,7 @@
 #include "head.c"
 #include "step.c"
 #include "prefill.c"
+#include "gptq.c"
 
 int sq_abi(void) { return SQ_ABI; }
 
@@ -58,7 +59,7 @@ const char *sq_abi_desc(void) {
     static char buf[2048];
     char *p = buf, *end = buf + sizeof buf;
     int first;
-    p += snprintf(p, (size_t)(end - p), "abi=%d;kinds=int4:%d,int8:%d,bf16:%d", SQ_ABI, KIND_INT4, KIND_INT8, KIND_BF16);
+    p += snprintf(p, (size_t)(end - p), "abi=%d;kinds=int4:%d,int8:%d,bf16:%d,lut4:%d", SQ_ABI, KIND_INT4, KIND_INT8, KIND_BF16, KIND_LUT4);
 #define SQ_DESC_T sq_linear
     p += snprintf(p, (size_t)(end - p), ";sq_linear=%zu:", sizeof(sq_linear)), first = 1;
     SQ_LINEAR_FIELDS(SQ_DESC_FIELD)

@@ -5,21 +5,23 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 6
+#define SQ_ABI 7
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
-enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2 };
+enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
 
 /* one linear: W [N, K] in the artifact's mapping, read in place.
- *   q    int4: rows32 bytes [N, K/2]; int8: int8 [N, K]; bf16: bf16 [N, K]
- *   sz   int4: bf16 (scale, zero) [K/g, N, 2]; int8: bf16 scales [N]; bf16: unused
+ *   q    int4, lut4: rows32 bytes [N, K/2]; int8: int8 [N, K]; bf16: bf16 [N, K]
+ *   sz   int4, lut4: bf16 (scale, zero) [K/g, N, 2]; int8: bf16 scales [N]; bf16: unused
+ *   lut  lut4: int8 [N, 16], each row's ascending levels (w = lut[n][q] * scale + zero); else NULL
  *   bias bf16 [N] or NULL
  *   res, rsc  a split int4 linear's second plane (formats/constants.py), else NULL: rows32 codes
  *        r [N, K/2] and bf16 scales [N, K/g]; stored weight = (q - 8) s + z + (r - 8) rs.
  *        Products read the first plane only; the head refinement and embedding rows add it. */
 #define SQ_LINEAR_FIELDS(F)                                                                       \
     F(const uint8_t *, q) F(const uint16_t *, sz) F(const uint16_t *, bias) F(int64_t, kind)     \
-    F(int64_t, n) F(int64_t, k) F(int64_t, g) F(const uint8_t *, res) F(const uint16_t *, rsc)
+    F(int64_t, n) F(int64_t, k) F(int64_t, g) F(const uint8_t *, res) F(const uint16_t *, rsc)          \
+    F(const int8_t *, lut)
 
 /* one decoder layer: its linears, norms (bf16 [D] or NULL), RoPE tables (bf16 [rope_len, rot]),
  * its bf16 KV cache [kv_heads, cap, head_dim], rotary dims, sliding window (0 = full). */

@@ -38,6 +38,9 @@ static inline uint16_t to_bf(float f) { /* round to nearest even, like torch */
     return (uint16_t)(c.u >> 16);
 }
 
+/* a linear with 4-bit rows32 codes and per-group (scale, zero): int4 or lut4 */
+static inline int is_q4(const sq_linear *L) { return L->kind == KIND_INT4 || L->kind == KIND_LUT4; }
+
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 #ifdef SQ_AVX2

@@ -1,0 +1,149 @@
+/* GPTQ's sequential part, for the converter (convert/gptq.py): inside one block of B columns (in
+ * act order), each row's columns are quantized one at a time and each one's error is spread over
+ * the row's later columns of the block through the block's part of the upper Cholesky factor of
+ * H^-1. Rows are independent given H, so the rows go over the threads; the update of the columns
+ * after the block is a GEMM the caller does (err @ hinv[block, rest]).
+ *
+ * The arithmetic is the reference's (convert/gptq.py gptq_block_py), operation for operation in
+ * fp32: uniform int4 codes q = clamp(rint((x - z) / s + 8), 0, 15), w' = (q - 8) s + z; with a
+ * level table (a lut4 linear: ascending levels per row), q = the nearest level of (x - z) / s
+ * (the lower one on a tie), w' = level[q] s + z. A group with s <= 0 takes code 8 (int4) or the
+ * level nearest 0 (lut4), as the quantizer does. */
+
+/* the code of v among 16 ascending levels t: the nearest, the lower on a tie */
+static inline int nearest_level(const float *t, float v) {
+    int q = 0;
+    for (int j = 1; j < 16; j++)
+        if (v > 0.5f * (t[j - 1] + t[j])) q = j;
+    return q;
+}
+
+/* w [R, ldw]: the block's B columns, updated in place; hinv [B, B] with row stride ldh; s, z
+ * [R, ngroups] per-group scale and zero, grp [B] each block column's group; tab NULL (int4) or
+ * [R, 16] levels; codes [R, ldq] (the block's B columns) and err [R, B] out. */
+int sq_gptq_block(float *w, int64_t ldw, const float *hinv, int64_t ldh, const float *s, const float *z,
+                  int64_t ngroups, const int32_t *grp, const float *tab, int64_t R, int64_t B, uint8_t *codes,
+                  int64_t ldq, float *err) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        float *wr = w + r * ldw, *er = err + r * B;
+        const float *sr = s + r * ngroups, *zr = z + r * ngroups, *tr = tab ? tab + r * 16 : NULL;
+        uint8_t *qr = codes + r * ldq;
+        for (int64_t i = 0; i < B; i++) {
+            const float x = wr[i], sc = sr[grp[i]], zc = zr[grp[i]];
+            float dq;
+            int q;
+            if (tr) {
+                q = sc > 0.f ? nearest_level(tr, (x - zc) / sc) : nearest_level(tr, 0.f);
+                dq = tr[q] * sc + zc;
+            } else {
+                q = sc > 0.f ? (int)fminf(fmaxf(rintf((x - zc) / sc + 8.f), 0.f), 15.f) : 8;
+                dq = ((float)q - 8.f) * sc + zc;
+            }
+            qr[i] = (uint8_t)q;
+            const float e = (x - dq) / hinv[i * ldh + i];
+            er[i] = e;
+            const float *hi = hinv + i * ldh;
+            for (int64_t j = i + 1; j < B; j++) wr[j] -= e * hi[j];
+        }
+    }
+    return 0;
+}
+
+/* ---- lut4 level tables (convert/lut.py fit_lut is the reference, in torch) ----
+ * Per row: weighted Lloyd iterations over its K weights -- assign each weight its nearest level
+ * in the normalized domain (w - z) / s of its group, refit each group's (s, z) by weighted least
+ * squares on the assigned levels, move each level to the weighted centroid of its members (weights
+ * a[k] s^2: the error in weight units) -- then levels scaled to peak 127 and rounded to int8, the
+ * groups refit on them and rounded to bf16, and the final nearest codes. Rows over the threads. */
+static void lut_fit_groups(const float *w, const float *t, const float *a, int64_t K, int64_t g, float *s, float *z) {
+    for (int64_t gi = 0; gi < K / g; gi++) {
+        double sa = 0, st = 0, sw = 0, stt = 0, stw = 0;
+        for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
+            const double ak = a[k], tk = t[k], wk = w[k];
+            sa += ak, st += ak * tk, sw += ak * wk, stt += ak * tk * tk, stw += ak * tk * wk;
+        }
+        const double det = sa * stt - st * st;
+        if (det > 1e-12 * sa * stt && (sa * stw - st * sw) / det > 0) {
+            s[gi] = (float)((sa * stw - st * sw) / det);
+            z[gi] = (float)((stt * sw - st * stw) / det);
+        } /* else: the group keeps its parameters */
+    }
+}
+
+int sq_lut_fit(const float *w, int64_t R, int64_t K, int64_t g, const float *a, int64_t iters, const float *init,
+               int8_t *levels, uint16_t *sz, uint8_t *codes) {
+    const int64_t G = K / g;
+    int fail = 0;
+#pragma omp parallel
+    {
+        float *t = malloc(sizeof(float) * K), *s = malloc(sizeof(float) * G), *z = malloc(sizeof(float) * G);
+        uint8_t *q = malloc((size_t)K);
+        if (!t || !s || !z || !q) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < R; r++) {
+            if (!t || !s || !z || !q) continue;
+            const float *wr = w + r * K;
+            float lv[16];
+            for (int j = 0; j < 16; j++) lv[j] = init[j];
+            for (int64_t gi = 0; gi < G; gi++) { /* the init grid spans the group's range */
+                float lo = wr[gi * g], hi = lo;
+                for (int64_t k = gi * g; k < (gi + 1) * g; k++) lo = fminf(lo, wr[k]), hi = fmaxf(hi, wr[k]);
+                s[gi] = fmaxf((hi - lo) / (lv[15] - lv[0]), 1e-12f);
+                z[gi] = lo - lv[0] * s[gi];
+            }
+            for (int64_t it = 0; it < iters; it++) {
+                for (int64_t gi = 0; gi < G; gi++) {
+                    const float zg = z[gi], inv = 1.f / s[gi];
+                    for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
+                        q[k] = (uint8_t)nearest_level(lv, (wr[k] - zg) * inv);
+                        t[k] = lv[q[k]];
+                    }
+                }
+                lut_fit_groups(wr, t, a, K, g, s, z);
+                float num[16] = {0}, den[16] = {0};
+                for (int64_t gi = 0; gi < G; gi++) {
+                    const float sg = s[gi], zg = z[gi], s2 = sg * sg, inv = 1.f / sg;
+                    for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
+                        const float wt = a[k] * s2;
+                        num[q[k]] += wt * (wr[k] - zg) * inv;
+                        den[q[k]] += wt;
+                    }
+                }
+                for (int j = 0; j < 16; j++)
+                    if (den[j] > 0) lv[j] = fminf(fmaxf(num[j] / den[j], -127.f), 127.f);
+                for (int i = 1; i < 16; i++) /* keep them ascending */
+                    for (int j = i; j > 0 && lv[j - 1] > lv[j]; j--) {
+                        const float x = lv[j]; lv[j] = lv[j - 1]; lv[j - 1] = x;
+                    }
+            }
+            float peak = 1e-6f; /* the full int8 range: the scales absorb the factor */
+            for (int j = 0; j < 16; j++) peak = fmaxf(peak, fabsf(lv[j]));
+            float li[16];
+            for (int j = 0; j < 16; j++) li[j] = fminf(fmaxf(rintf(lv[j] * 127.f / peak), -127.f), 127.f);
+            for (int i = 1; i < 16; i++)
+                for (int j = i; j > 0 && li[j - 1] > li[j]; j--) {
+                    const float x = li[j]; li[j] = li[j - 1]; li[j - 1] = x;
+                }
+            for (int64_t gi = 0; gi < G; gi++) s[gi] *= peak / 127.f;
+            for (int64_t gi = 0; gi < G; gi++)
+                for (int64_t k = gi * g; k < (gi + 1) * g; k++) t[k] = li[nearest_level(li, (wr[k] - z[gi]) / s[gi])];
+            lut_fit_groups(wr, t, a, K, g, s, z);
+            for (int64_t gi = 0; gi < G; gi++) {
+                sz[2 * (gi * R + r)] = to_bf(s[gi]);
+                sz[2 * (gi * R + r) + 1] = to_bf(z[gi]);
+            }
+            for (int j = 0; j < 16; j++) levels[16 * r + j] = (int8_t)li[j];
+            for (int64_t gi = 0; gi < G; gi++) {
+                const float sb = bf(sz[2 * (gi * R + r)]), zb = bf(sz[2 * (gi * R + r) + 1]);
+                for (int64_t k = gi * g; k < (gi + 1) * g; k++)
+                    codes[r * K + k] = (uint8_t)nearest_level(li, sb > 0.f ? (wr[k] - zb) / sb : 0.f);
+            }
+        }
+        free(t); free(s); free(z); free(q);
+    }
+    return fail ? -1 : 0;
+}
