@@ -7,7 +7,7 @@ WORK := work
 # held-out text for `make quality` (the default conversion calibrates on the bundled text)
 CORPUS ?= ../shared/corpus/wikitext2-valid.txt
 
-.PHONY: setup demo test test-all clean benchmarks fuzz quality
+.PHONY: setup demo test test-all clean benchmarks fuzz quality quality-real
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,8 +38,17 @@ clean:
 benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~10 min on 2 cores)
 	$(BIN)/python tools/benchmarks.py $(WORK)
 
-quality: setup  ## every --method vs llama.cpp Q4_0/Q4_K_M on the same tokens -> work/QUALITY.md (by hand: ~5 min)
+quality: setup  ## every --method and --bpw vs llama.cpp on the same tokens -> work/QUALITY.md + .png (by hand: ~15 min)
+	$(BIN)/pip install -q -e '.[lab]'
 	$(BIN)/python tools/quality.py --work $(WORK) --corpus $(CORPUS)
+	@if [ -n "$(REAL)" ]; then $(MAKE) --no-print-directory quality-real; fi
+
+# a real model: REAL=bf16 checkpoint dir, REAL_GGUF=the same as a bf16 GGUF, LLAMA_BIN=llama.cpp's bin/
+# (docs/quality.md "Qwen2.5-Coder-1.5B" builds all three; by hand: ~90 min on 2 cores)
+quality-real: setup
+	$(BIN)/pip install -q -e '.[lab]'
+	$(BIN)/python tools/quality.py --set real --work $(WORK) --corpus $(CORPUS) --reference $(REAL) \
+		--llama-source $(REAL_GGUF) --llama-bin $(LLAMA_BIN)
 
 fuzz: setup  ## >= 10,000 mutated-artifact cases; prints counts by mutation and outcome
 	$(BIN)/python tests/fuzz_artifact.py --cases 10000

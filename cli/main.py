@@ -93,8 +93,11 @@ def convert(
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration text file for gptq (its second half is used; "
                                         "default: the bundled text, convert/data/calibration.txt)"),
     calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (windows of 512)"),
-    kind: str = typer.Option("int4", "--kind", help="the body linears' 4-bit codes: int4 (uniform grid) or lut4 (a "
-                             "16-level grid learned per row; rows32 only)"),
+    bpw: Optional[float] = typer.Option(None, "--bpw", help="bits per weight of the file, spent per linear where they "
+                                        "buy the most fidelity (lut4 and int4 at g32-g128, int8, split head; rows32). "
+                                        "Default: the built-in budget, unless --kind / --head / --group-size ask for one encoding"),
+    kind: Optional[str] = typer.Option(None, "--kind", help="every body linear's 4-bit codes: int4 (uniform grid) or lut4 "
+                                       "(a 16-level grid learned per row; rows32 only); no --bpw budget"),
     head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | lut4 | int8 | bf16 | split (int4 + 4-bit residual: the decode step reads half an int8 head; default: recipe)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
@@ -111,7 +114,7 @@ def convert(
     from sparkq.convert.pipeline import convert as do_convert
 
     s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json), head,
-                                                   calib, calib_tokens, kind))
+                                                   calib, calib_tokens, kind, "auto" if bpw is None else bpw))
     if push_to_hub:
         from sparkq.convert.publish import upload as do_upload
         s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision, base_model=base_model)

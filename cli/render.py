@@ -56,6 +56,8 @@ def inspect_summary(s: dict) -> str:
             ("weights file", mib(s["weights_file_bytes"])),
             ("bits / weight", f"{s['bits_per_weight']:.3f} overall, {s['bits_per_weight_linears']:.3f} quantized linears")]
     rows += [(f"bytes {k}", mib(v)) for k, v in s["bytes_by_role"].items()]
+    rows += [(f"encodings {role}", ", ".join(f"{e} x{n}" for e, n in sorted(v.items(), key=lambda kv: -kv[1])))
+             for role, v in s["encodings"].items()]
     return table(rows)
 
 

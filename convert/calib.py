@@ -81,6 +81,31 @@ def calibration_ids(source, text_path: str | None, tokens: int, seq_len: int = S
     return ids, info
 
 
+GRAM_BLOCK = 1024
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """X^T X (float32 [K, K]) for X [T, K] (float32, or bf16 read in float32 blocks): for large
+    K, only the blocks on and above the diagonal are multiplied (the rest is their transpose),
+    about half the work of ``x.T @ x``."""
+    k, b = x.shape[1], GRAM_BLOCK
+    if x.dtype != torch.float32:
+        h = torch.empty(k, k)
+        for i in range(0, k, b):
+            xi = x[:, i:i + b].float()
+            for j in range(i, k, b):
+                h[i:i + b, j:j + b] = xi.T @ (xi if j == i else x[:, j:j + b].float())
+            h[i + b:, i:i + b] = h[i:i + b, i + b:].T
+        return h
+    if k <= 2 * b:
+        return x.T @ x
+    h = torch.empty(k, k)
+    for i in range(0, k, b):
+        h[i:i + b, i:] = x[:, i:i + b].T @ x[:, i:]
+        h[i + b:, i:i + b] = h[i:i + b, i + b:].T
+    return h
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return x * (1.0 + w) if offset else x * w
@@ -102,6 +127,7 @@ class Calibration:
         if spec.embed_scale:
             self.x *= torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16).float()
         self.inp: torch.Tensor | None = None  # input of the next linear
+        self.writes: dict[str, torch.Tensor] = {"embed": self.x.pow(2).sum(-1)}  # |y_t|^2 each writes to the residual
         pos = torch.arange(self.seq_len, dtype=torch.float32)
         self.rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(spec.layers):
@@ -118,8 +144,8 @@ class Calibration:
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return _rms(x, self._vec(name), self.spec.rms_eps, self.spec.norm_offset)
 
-    def hessian(self, name: str) -> torch.Tensor:
-        """H = X^T X (float32 [K, K]) of the inputs the linear ``name`` sees."""
+    def inputs(self, name: str) -> torch.Tensor:
+        """X (float32 [tokens, K]): the inputs the linear ``name`` sees."""
         layer, _, role = name.rpartition(".")
         if role == C.ROLE_QKV:
             self.inp = self._norm(self.x, f"{layer}.attn_norm.weight")
@@ -127,8 +153,24 @@ class Calibration:
             self.inp = self._norm(self.x, f"{layer}.mlp_norm.weight")
         elif name == C.ROLE_LM_HEAD:
             self.inp = self._norm(self.x, "norm.weight")
-        assert self.inp is not None, f"hessian({name}) out of order"
-        return self.inp.T @ self.inp
+        assert self.inp is not None, f"inputs({name}) out of order"
+        return self.inp
+
+    def hessian(self, name: str) -> torch.Tensor:
+        """H = X^T X (float32 [K, K]) of the inputs the linear ``name`` sees."""
+        return gram(self.inputs(name))
+
+    def importance(self, name: str) -> torch.Tensor:
+        """diag(X^T X) (float32 [K]): how much each input of ``name`` fires (llama.cpp's imatrix)."""
+        x, t = self.inputs(name), self.seq_len
+        return sum(x[t0:t0 + t].float().pow(2).sum(0) for t0 in range(0, x.shape[0], t))
+
+    def gains(self) -> dict[str, float]:
+        """What the embedding and each o / down wrote into the residual stream, relative to the
+        stream the final norm sees: the per-token mean of |y_t|^2 / |x_t|^2 (the massive
+        activations of a few tokens do not dominate). Call once the forward reached the head."""
+        fin = self.x.pow(2).sum(-1).clamp_min(1e-30)
+        return {n: float((v / fin).mean(dtype=torch.float64)) for n, v in self.writes.items()}
 
     def advance(self, name: str, w: torch.Tensor) -> None:
         """Move the activations through the quantized linear ``name`` (w: float32 [N, K])."""
@@ -138,13 +180,20 @@ class Calibration:
             self.inp = None
             return
         if role == C.ROLE_GATE_UP:  # per window: the [tokens, 2*intermediate] product is the largest transient
-            out = torch.empty(self.inp.shape[0], w.shape[0] // 2)
+            # the down projection's inputs, the largest activations, kept in bf16 (their Hessian and
+            # product read them in float32 blocks): -150 MB peak at 1.5B, far finer than the W4A8 runtime
+            out = torch.empty(self.inp.shape[0], w.shape[0] // 2, dtype=torch.bfloat16)
             for t0 in range(0, out.shape[0], self.seq_len):
                 g, u = (self.inp[t0:t0 + self.seq_len] @ w.T).chunk(2, dim=-1)
                 out[t0:t0 + self.seq_len] = (F.silu(g) if s.act == "silu" else F.gelu(g, approximate="tanh")) * u
             self.inp = out
             return
-        y = self.inp @ w.T
+        if self.inp.dtype == torch.float32:
+            y = self.inp @ w.T
+        else:
+            y = torch.empty(self.inp.shape[0], w.shape[0])
+            for t0 in range(0, y.shape[0], self.seq_len):
+                y[t0:t0 + self.seq_len] = self.inp[t0:t0 + self.seq_len].float() @ w.T
         if role == C.ROLE_QKV:
             if s.qkv_bias:
                 y += self._vec(f"{layer}.qkv.bias")
@@ -152,6 +201,7 @@ class Calibration:
         else:  # o, down: residual add
             if s.sandwich_norms:
                 y = self._norm(y, f"{layer}.{'post_attn_norm' if role == C.ROLE_O else 'post_mlp_norm'}.weight")
+            self.writes[name] = y.pow(2).sum(-1)  # what this linear writes into the residual stream, per token
             self.x += y
             self.inp = None
 

@@ -15,6 +15,7 @@ one Cholesky factorization: the upper factor of ``H^-1`` is ``flip(L^-1)`` for `
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from sparkq.formats.layout import dequantize_codes
 
@@ -40,35 +41,96 @@ def _lib():
 def gptq_factor(h, damp: float = GPTQ_DAMP):
     """H (float32 [K, K], sum of x x^T over calibration tokens) -> (upper Cholesky factor of
     (H + damp*mean(diag) I)^-1 in act order (fp32 [K, K]), the order (columns by descending diag
-    H), and the mask of dead input columns that never fired). ``h`` may be a one-element list
-    holding H, which is emptied: H is then freed as soon as it is factored. Peak: two K x K fp32
-    matrices (the permutation is gathered in row slices, the factorization and the triangular
-    inverse run in place)."""
+    H), and the mask of dead input columns that never fired). ``h`` may be a list holding H, which
+    is emptied, and optionally a function that recomputes H if the factorization needs more
+    damping. H is overwritten when that function is given (permuted and factored in place), else copied.
+    Peak: two K x K fp32 matrices, the factor and its inverse (the flip runs in place too), where
+    4.3 were alive before (docs/quality.md "Conversion cost")."""
+    rebuild = None
     if isinstance(h, list):
-        h = h.pop()
+        rebuild = h[1] if len(h) > 1 else None
+        h, _ = h.pop(0), h.clear()
+    if rebuild is None:  # H is kept for another damping: the factorization runs on a copy
+        orig = h
+        rebuild, h = (lambda: orig.clone()), orig.clone()
     diag = torch.diagonal(h)
     dead = diag == 0
     perm = torch.argsort(torch.where(dead, 1.0, diag.double()), descending=True)
     rev = perm.flip(0)  # flip(H[perm][:, perm]): reversed act order
     k = h.shape[0]
-    low = torch.empty_like(h)
+    dead_rev = dead[rev]
+    # every matrix in the order LAPACK reads, so that no call copies: H is permuted in place and,
+    # being symmetric, its row-major memory is the column-major matrix the factorization runs on;
+    # the inverse is solved as the transposed system U X^T = I on the row-major X
     info = torch.empty(0, dtype=torch.int32)
     for extra in (damp, 0.1, 1.0):  # escalate the damping if H is numerically singular
-        for r0 in range(0, k, 1024):
-            low[r0:r0 + 1024] = h.index_select(0, rev[r0:r0 + 1024]).index_select(1, rev)
+        if h is None:
+            h = rebuild()  # rare: the failed factorization overwrote H (recomputed for the next damping)
+        _permute_symmetric(h, rev)
+        low = h.mT
         d = torch.diagonal(low)  # a view: dead columns and the damping go in place
-        d[dead[rev]] = 1.0
+        d[dead_rev] = 1.0
         d += extra * d.mean()
         torch.linalg.cholesky_ex(low, out=(low, info))
         if int(info) == 0:
             break
+        h = diag = None
     else:
         raise ValueError("calibration Hessian is not positive definite even with damping")
     del h, diag, d
-    inv = torch.eye(k, dtype=low.dtype)
-    torch.linalg.solve_triangular(low, inv, upper=False, out=inv)  # L^-1, lower triangular, in place
+    inv = torch.zeros(k, k, dtype=low.dtype)
+    inv.diagonal().fill_(1.0)
+    torch.linalg.solve_triangular(low.mT, inv.mT, upper=True, out=inv.mT)  # inv = L^-1, row-major
     del low
-    return torch.flip(inv, (0, 1)), perm, dead
+    flat, n, c = inv.view(-1), k * k, 1 << 20  # flip both axes in place: reverse the row-major array
+    for a in range(0, n // 2, c):
+        b = min(c, n // 2 - a)
+        head = flat[a:a + b].clone()
+        flat[a:a + b] = flat[n - a - b:n - a].flip(0)
+        flat[n - a - b:n - a] = head.flip(0)
+    return inv, perm, dead
+
+
+def _permute_rows(a: np.ndarray, src: np.ndarray) -> None:
+    """a <- a[src] in place, one row buffer: each cycle of the permutation moves whole rows."""
+    seen = np.zeros(len(src), dtype=bool)
+    for i0 in range(len(src)):
+        if seen[i0] or src[i0] == i0:
+            seen[i0] = True
+            continue
+        tmp = a[i0].copy()
+        i = i0
+        while True:
+            seen[i] = True
+            j = src[i]
+            if j == i0:
+                a[i] = tmp
+                break
+            a[i] = a[j]
+            i = j
+
+
+def _transpose(h: torch.Tensor, tile: int = 256) -> None:
+    """h <- h^T in place (square, row-major), tile by tile."""
+    k = h.shape[0]
+    for i in range(0, k, tile):
+        d = h[i:i + tile, i:i + tile]
+        d.copy_(d.T.clone())
+        for j in range(i + tile, k, tile):
+            a, b = h[i:i + tile, j:j + tile], h[j:j + tile, i:i + tile]
+            t = a.clone()
+            a.copy_(b.T)
+            b.copy_(t.T)
+
+
+def _permute_symmetric(h: torch.Tensor, order: torch.Tensor) -> None:
+    """h <- h[order][:, order] in place for a symmetric h (float32 [K, K] row-major): rows
+    permuted, the result transposed (h[order]^T = h[:, order]), rows permuted again; whole-row
+    moves and square tiles, no strided column copies."""
+    src = order.numpy()
+    _permute_rows(h.numpy(), src)
+    _transpose(h)
+    _permute_rows(h.numpy(), src)
 
 
 def gptq_block_py(w, hinv, s, z, grp, tab, codes, err):

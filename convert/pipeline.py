@@ -40,6 +40,15 @@ BODY_KINDS = ("int4", "lut4")  # --kind
 # wikitext-2 against bf16: KL 0.1343 vs 0.1341, top-1 81.93% vs 81.59%, ppl 21.69 vs 21.77), and
 # the decode step reads the 4-bit plane: 1.7B shape decode +15% (docs/quality.md "Split head"). Other
 # targets (torch's int4 layouts, whose runtime gathers the refined rows slowly) keep int8.
+# The budget a plain `spark-convert SRC OUT` spends (docs/quality.md "Bit budget"): 4.55 bits/weight
+# from 1B parameters (Qwen2.5-Coder-1.5B: KL 0.029 vs llama.cpp IQ4_XS+imatrix's at 4.59), 5.0 below,
+# where the tied head is a fifth of the weights and a bit buys more (SmolLM2-135M: KL 0.035 at 5.0,
+# 0.10 at 4.65) while the file stays small (84 MB)
+DEFAULT_BPW, DEFAULT_BPW_SMALL, SMALL_PARAMS = 4.55, 5.0, 1_000_000_000
+
+
+def default_bpw(params: int) -> float:
+    return DEFAULT_BPW_SMALL if params < SMALL_PARAMS else DEFAULT_BPW
 GPTQ_ROW_ELEMS = 4 << 20  # gptq: 16 MiB row blocks (its per-column loop runs once per block)
 
 
@@ -54,7 +63,10 @@ class Options:
     head: str | None = None  # None: the recipe decides; int4 | int8 | bf16 | split for lm_head and embed
     calib: str | None = None  # calibration text for gptq; None: the bundled text (convert/data/calibration.txt)
     calib_tokens: int = 8192
-    kind: str = "int4"  # the body linears' 4-bit codes: int4 (uniform) or lut4 (a learned table per row)
+    kind: str | None = None  # the body linears' 4-bit codes: int4 (uniform; None) or lut4 (a learned table per row)
+    # bits per weight of the whole file, spent per linear (convert/budget.py); "auto": default_bpw()
+    # unless --kind / --head / --group-size ask for one encoding everywhere (then None: uniform)
+    bpw: float | str | None = None
 
 
 def _target_layout(target: str) -> str:
@@ -68,6 +80,25 @@ def _target_layout(target: str) -> str:
     return target
 
 
+def resolve_budget(opts: Options) -> Options:
+    """"auto" stays "auto" (default_bpw of the planned model) for a plain rows32 conversion and
+    becomes None (one encoding everywhere) when --kind / --head / --group-size choose one; an
+    explicit --bpw is checked against them."""
+    uniform = opts.kind is not None or opts.head is not None or opts.group_size is not None
+    if opts.bpw == "auto":
+        return replace(opts, bpw=None) if uniform or opts.target != ROWS32 else opts
+    if opts.bpw is None:
+        return opts
+    if uniform:
+        raise ConvertError("--bpw chooses each linear's encoding; drop --kind / --head / --group-size, or drop --bpw "
+                           "for one encoding everywhere")
+    if opts.target != ROWS32:
+        raise ConvertError("--bpw mixes lut4 and split linears, which only the C core reads: use --target rows32")
+    if not isinstance(opts.bpw, (int, float)) or not 2.0 <= float(opts.bpw) <= 16.0:
+        raise ConvertError(f"--bpw {opts.bpw}: give bits per weight between 2 and 16 (e.g. 4.5)")
+    return opts
+
+
 def plan(source: Source, opts: Options):
     try:
         recipe = recipe_for_config(source.config, opts.recipe)
@@ -78,7 +109,7 @@ def plan(source: Source, opts: Options):
         raise ConvertError(f"--group-size {opts.group_size} is not supported; choose one of {C.GROUP_SIZES}")
     if opts.head not in (None, *HEAD_MODES):
         raise ConvertError(f"unknown --head {opts.head!r}; choose {', '.join(HEAD_MODES)}")
-    if opts.kind not in BODY_KINDS:
+    if opts.kind not in (None, *BODY_KINDS):
         raise ConvertError(f"unknown --kind {opts.kind!r}; choose {', '.join(BODY_KINDS)}")
     if C.KIND_LUT4 in (opts.kind, opts.head) and opts.target != ROWS32:
         raise ConvertError("lut4 (--kind / --head) is read by the C core only: convert with --target rows32")
@@ -161,7 +192,9 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     lay = get_layout(layout)
     chunk = max(lay.block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
     err = ref = 0.0
-    deq = torch.empty(lin.n, lin.k) if hessian is not None and keep_deq else None
+    want_deq = hessian is not None and keep_deq
+    # allocated once the GPTQ factor exists: the factor's two K x K matrices are the peak
+    deq = torch.empty(lin.n, lin.k) if want_deq and lin.kind in (C.KIND_BF16, C.KIND_INT8) else None
     if lin.kind == C.KIND_BF16:
         w.begin(f"{lin.name}.weight")
         for r0 in range(0, lin.n, chunk):
@@ -190,7 +223,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
     check_shape(lin.n, lin.k, layout)
     if lin.kind == C.KIND_LUT4:
-        return _write_lut4(w, source, lin, part_rows, chunk, hessian, bar, deq)
+        return _write_lut4(w, source, lin, part_rows, chunk, hessian, bar, want_deq)
     # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
     # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
     sz_all = torch.empty(lin.k // lin.group_size, lin.n, 2, dtype=torch.bfloat16)
@@ -201,6 +234,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     if hessian is not None:
         factor = gptq_factor(hessian)
         chunk = max(chunk, (GPTQ_ROW_ELEMS // lin.k) // 64 * 64)  # fewer, larger blocks: the column loop is per block
+        deq = torch.empty(lin.n, lin.k) if want_deq else None
     elif method in CALIBRATED:
         method = "clip"  # no calibration inputs for this tensor (e.g. an untied embedding)
     w.begin(f"{lin.name}.qweight")
@@ -234,7 +268,8 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
 
 
-def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows, chunk: int, hessian, bar, deq):
+def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows, chunk: int, hessian, bar,
+                want_deq: bool):
     """A lut4 linear (convert/lut.py): per row block, the rows' levels and group parameters fitted
     (weighted by diag H when calibrated), then the codes by GPTQ against that grid, or the
     nearest levels without calibration."""
@@ -246,6 +281,7 @@ def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows
         imp = torch.diagonal(hessian[0]).clone()  # the importance of each input (as llama.cpp's imatrix)
         factor = gptq_factor(hessian)
         chunk = max(chunk, (GPTQ_ROW_ELEMS // lin.k) // 64 * 64)
+    deq = torch.empty(lin.n, lin.k) if want_deq else None  # after the factor (the peak)
     err = ref = 0.0
     w.begin(f"{lin.name}.qweight")
     for r0 in range(0, lin.n, chunk):
@@ -276,6 +312,36 @@ def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows
     return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
 
 
+def _spend_budget(source: Source, spec: ModelSpec, srcs: dict, linears: list[LinearEntry], vectors: dict, ids, opts):
+    """--bpw: the importance forward (on the first calibration tokens) and the allocation (convert/budget.py)."""
+    from . import budget as B
+
+    t0 = time.perf_counter()
+
+    def read(lin, r0, r1):
+        return _read_fused_rows(source, lin.sources, spec.part_rows(lin.name), r0, r1)
+
+    params = sum(l.n * l.k for l in linears) + sum(s[0] for s in vectors.values())
+    if opts.bpw == "auto":
+        opts = replace(opts, bpw=default_bpw(params))
+    probe_ids = None if ids is None else ids[: max(1, B.PROBE_TOKENS // ids.shape[1])]
+    if opts.progress:
+        tqdm.write(f"spark-convert: --bpw {opts.bpw}: each linear's error under each encoding"
+                   + ("" if probe_ids is None else f", on {probe_ids.numel()} calibration tokens"), file=sys.stderr)
+    fixed = sum(2 * s[0] for s in vectors.values()) + 128 * (4 * len(linears) + len(vectors))  # vectors, alignment, header
+    budget = int(float(opts.bpw) * params / 8) - fixed
+    with tqdm(total=len(linears), desc="budget", disable=not opts.progress, leave=False) as bar:
+        options, _ = B.probe(source, spec, srcs, linears, probe_ids, read, bar)
+    try:
+        linears, report = B.spend(linears, budget, options)
+    except B.BudgetError as e:
+        least = 8 * (e.least + fixed) / params
+        raise ConvertError(f"--bpw {opts.bpw} is below the smallest encoding of this model "
+                           f"({least:.2f} bits/weight); raise --bpw") from None
+    return linears, {"bpw": float(opts.bpw), "probe_tokens": 0 if ids is None else int(probe_ids.numel()),
+                     "seconds": time.perf_counter() - t0, "mix": B.mix(linears), "linears": report}
+
+
 def _carry_files(source: Source, tmp: Path) -> list[str]:
     carried = []
     for name, data in source.extra_files.items():
@@ -300,14 +366,42 @@ def resolve_method(opts: Options, source) -> Options:
     return replace(opts, method="gptq" if opts.calib or has_tokenizer(source) else "clip")
 
 
+def _heap_trimmer():
+    """A function returning the heap's free pages to the system (glibc ``malloc_trim``; a no-op
+    elsewhere), called after each linear: the conversion's 16-32 MiB transients land on the heap
+    once glibc's mmap threshold has risen, and its free chunks kept the peak RSS creeping up layer
+    by layer (1.53 -> 1.78 GB at the same step of a 1.5B model). A fixed mmap threshold instead
+    cost a page fault per 4 KiB of every transient (the conversion ran 40% longer)."""
+    import ctypes
+    import ctypes.util
+
+    if sys.platform == "linux":
+        try:
+            trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            return lambda: trim(0)
+        except (OSError, AttributeError):
+            pass
+    return lambda: None
+
+
 def convert(src: str, out: str, opts: Options) -> dict:
     t0 = time.perf_counter()
+    trim_heap = _heap_trimmer()
     with RssSampler() as mem:
         source = open_source(src)
         try:
-            opts = resolve_method(opts, source)
+            opts = resolve_budget(resolve_method(opts, source))
             layout = _target_layout(opts.target)
             recipe, spec, linears, vectors, srcs = plan(source, opts)
+            ids = cal_info = budget_info = None
+            if opts.method in CALIBRATED:
+                from .calib import calibration_ids
+
+                if opts.calib_tokens < 1:
+                    raise ConvertError("--calib-tokens must be >= 1")
+                ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
+            if opts.bpw is not None:
+                linears, budget_info = _spend_budget(source, spec, srcs, linears, vectors, ids, opts)
             for lin in linears:
                 if lin.kind == C.KIND_INT4:
                     try:
@@ -320,13 +414,10 @@ def convert(src: str, out: str, opts: Options) -> dict:
             total = sum(C.DTYPE_BYTES[d] * int(torch.Size(s).numel()) for _, d, s in entries)
             src_bytes = sum(source.nbytes(p) for names in srcs.values() for p in names)
             errors: dict[str, float] = {}
-            cal, cal_info, cal_s = None, None, 0.0
+            cal, cal_s = None, 0.0
             if opts.method in CALIBRATED:
-                from .calib import Calibration, calibration_ids
+                from .calib import Calibration
 
-                if opts.calib_tokens < 1:
-                    raise ConvertError("--calib-tokens must be >= 1")
-                ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
                 if opts.progress:
                     tqdm.write(f"spark-convert: {opts.method}, calibrated on {cal_info['tokens']} tokens of {cal_info['file']} "
                                "(--method clip: no calibration; --method minmax: fastest)", file=sys.stderr)
@@ -342,7 +433,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
                         if item in by_name:
                             calibrated = cal is not None and item != C.ROLE_EMBED
                             tc = time.perf_counter()
-                            hbox = [cal.hessian(item)] if calibrated else None  # emptied by gptq_factor
+                            # emptied by gptq_factor, which frees H early and recomputes it if H needs more damping
+                            hbox = [cal.hessian(item), lambda item=item: cal.hessian(item)] if calibrated else None
                             cal_s += time.perf_counter() - tc
                             try:
                                 errors[item], deq = _write_linear(w, source, spec, by_name[item], layout, opts.method,
@@ -354,6 +446,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                                 cal.advance(item, deq)  # None for the head: the forward ends there
                                 cal_s += time.perf_counter() - tc
                             del hbox, deq
+                            trim_heap()
                         else:
                             parts = [source.read_rows(p, 0, source.shapes[p][0]) for p in srcs[item]]
                             v = torch.cat(parts).to(torch.bfloat16)
@@ -401,6 +494,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
         "layout": layout,
         "method": opts.method,
         "calibration": cal_info and {**cal_info, "forward_seconds": cal_s},
+        "budget": budget_info,
         "tensors": len(entries),
         "source_bytes": src_bytes,
         "artifact_bytes": art_bytes,

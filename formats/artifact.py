@@ -239,8 +239,11 @@ class Artifact:
         """Layout, group sizes, per-role bytes and bits per weight (inspect's data)."""
         roles: dict[str, int] = {}
         groups: dict[str, int] = {}
+        encodings: dict[str, dict[str, int]] = {}
         q_params = q_bytes = 0
         for lin in self.linears.values():
+            e = encodings.setdefault(lin.role, {})
+            e[lin.encoding] = e.get(lin.encoding, 0) + 1
             b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size,
                                                                   lin.residual))
             roles[lin.role] = roles.get(lin.role, 0) + b
@@ -262,6 +265,7 @@ class Artifact:
             "tied_embeddings": self.spec.tied,
             "source": self.manifest.source,
             "group_sizes": groups,
+            "encodings": encodings,
             "bytes_by_role": roles,
             "weights_file_bytes": total,
             "parameters": params,

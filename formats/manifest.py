@@ -30,6 +30,12 @@ class ManifestError(ValueError):
     """A manifest that is not what this format says (the reader turns it into ArtifactError)."""
 
 
+def encoding_label(kind: str, group_size: int | None, residual: bool = False) -> str:
+    if kind in (C.KIND_INT8, C.KIND_BF16):
+        return kind
+    return f"{kind} g{group_size}" + (" + residual" if residual else "")
+
+
 @dataclass
 class LinearEntry:
     """One linear of the artifact: its kind, shape, applied int4 group size (None for int8 and
@@ -47,6 +53,12 @@ class LinearEntry:
     @property
     def role(self) -> str:
         return self.name.rsplit(".", 1)[-1]
+
+    @property
+    def encoding(self) -> str:
+        """How the weights are stored, as inspect and --bpw name it: "lut4 g64", "int4 g128 +
+        residual", "int8", "bf16"."""
+        return encoding_label(self.kind, self.group_size, self.residual)
 
     def to_json(self) -> dict:
         d = {"role": self.role, "kind": self.kind, "n": self.n, "k": self.k, "group_size": self.group_size,

@@ -68,6 +68,29 @@ def test_gptq_factor_is_the_upper_cholesky_factor_of_the_damped_inverse():
     assert torch.equal(perm, torch.argsort(h.diagonal(), descending=True)) and not dead.any()
 
 
+def test_gptq_factor_escalates_the_damping_from_the_restored_matrix():
+    """An H that the default damping leaves indefinite: the factorization fails, H comes back
+    (recomputed by the caller's function, or kept without one) and the next damping (0.1)
+    factors it; the result is that of a fresh factorization at 0.1, row-major (as the C kernel
+    reads it)."""
+    x = _correlated(2048, 160, 9)
+    h = x.T @ x
+    lam = float(torch.linalg.eigvalsh(h.double()).min())
+    m = float(h.diagonal().mean())
+    h -= (lam + 0.07 * m) * torch.eye(160)  # shifts the diagonal mean to m' ~ 0.93 m: 0.05 m' < 0.07 m < 0.1 m'
+    calls = []
+    u, perm, dead = gptq_factor([h.clone(), lambda: calls.append(1) or h.clone()])
+    assert len(calls) == 1  # H freed before the first factorization, recomputed once for the second
+    assert torch.equal(gptq_factor([h.clone()])[0], u)  # without the function H is kept instead
+    hp = h[perm][:, perm].double()
+    mean = float(hp.diagonal().mean())
+    eye = torch.eye(160, dtype=torch.float64)
+    assert int(torch.linalg.cholesky_ex(hp + 0.05 * mean * eye).info) != 0  # the first damping fails
+    inv = torch.linalg.inv(hp + 0.1 * mean * eye)
+    assert u.is_contiguous() and torch.equal(u, torch.triu(u))
+    assert torch.allclose(u.double().T @ u.double(), inv, rtol=1e-3, atol=1e-3 * float(inv.abs().max()))
+
+
 @pytest.mark.parametrize("levels", [False, True])
 def test_gptq_c_block_kernel_equals_the_torch_reference(levels):
     """The C inner loop (sq_gptq_block) and gptq_block_py do the same fp32 operations: the same
@@ -125,7 +148,9 @@ def test_calibration_forward_matches_transformers(fam, tmp_path):
     m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         ref = m(ids).logits
-    assert (ours - ref).abs().max() < 1e-3 * ref.abs().max(), fam
+    # the down projections read bf16 inputs (convert/calib.py: the largest activations, kept in bf16):
+    # logits within 1.5% of the fp32 model's largest, where a wrong norm, RoPE or mask is off by tens
+    assert (ours - ref).abs().max() < 1.5e-2 * ref.abs().max(), fam
 
 
 def _calib_text(path, chars=60_000):
