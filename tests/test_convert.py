@@ -280,7 +280,7 @@ def test_hub_repo_id_source_offline_cache(tiny_tied, tmp_path):
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["source"]["kind"] == "hub" and s["source"]["id"] == "tiny-org/tiny-llama"
-    convert(str(tiny_tied), str(tmp_path / "direct"), Options(progress=False))
+    convert(str(tiny_tied), str(tmp_path / "direct"), Options(progress=False, bpw="auto"))  # the CLI's default
     assert (tmp_path / "out" / C.WEIGHTS_FILE).read_bytes() == (tmp_path / "direct" / C.WEIGHTS_FILE).read_bytes()
     p = run_cli("spark-convert", "tiny-org/missing", tmp_path / "o2", env=env)
     assert p.returncode == 2 and "HF_HUB_OFFLINE" in p.stderr and p.stderr.count("\n") == 1, p.stderr
