@@ -1,6 +1,6 @@
 """``--bpw B``: a bit budget, spent per linear where it buys the most fidelity.
 
-Each linear has candidate encodings (lut4 and int4 at g32/64/128, int8; the head also the split
+Each linear has candidate encodings (lut4 and int4 at g64/128, int8; the head also the split
 int4 + residual), each with an exact byte cost (formats/spec.py ``linear_tensors``) and an
 estimated damage: the relative error of its output on calibration inputs X,
 ``tr(E H E^T) / tr(W H W^T)`` with ``H = X^T X`` and ``E = W - Q``, times the share of the residual
@@ -65,7 +65,8 @@ def candidates(role: str, k: int) -> list[Choice]:
     """The encodings a linear of this role and K may take (the rows32 target: lut4 is C-core only)."""
     # g256 is not offered: measured on Qwen2.5-Coder-1.5B at the default 4.55, with it the budget
     # took g256 for most gate_up and KL rose 0.029 -> 0.034 (its estimates undercount it)
-    gs = [g for g in (32, 64, 128) if k % g == 0]
+    # nor g32: the C prompt GEMMs pair 64 columns, and one g32 linear sends the whole prefill to torch
+    gs = [g for g in (64, 128) if k % g == 0]
     out = [Choice(C.KIND_INT8, None)]
     if k % 32 == 0:
         out += [Choice(C.KIND_LUT4, g) for g in gs]
