@@ -56,7 +56,7 @@ BUILDS = [  # name, spark-convert arguments ("CORPUS" becomes --corpus: in-domai
     ("clip + int8 head (calibration-free)", ["--method", "clip", "--head", "int8"]),
     ("gptq, bundled text", ["--method", "gptq", "--head", "int4"]),
     ("gptq + int8 head (the default until the split head)", ["--head", "int8"]),
-    ("**default** (gptq on the bundled text + split head)", []),
+    ("**default** (the bit budget: --bpw 5.0 below 1B parameters)", []),
     ("gptq + int8 head, --calib corpus (in-domain)", ["--method", "gptq", "--head", "int8", "--calib", "CORPUS"]),
 ]
 # Mixed precision at the role level (`--set mixed`): recipes derived from the built-in llama
