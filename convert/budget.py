@@ -10,9 +10,9 @@ value of the o / down they feed; 1 for the head, plus the embedding's when tied)
 codes against the candidate's grid (lut4 and int4), per-row rounding (int8, the residual head),
 computed on a sample of rows and, for wide inputs, on a column sample (whole 128-column blocks,
 the Hessian restricted to them). GPTQ is fitted on the first half of the probe's tokens and its
-error measured on the second: round-to-nearest estimates rank the kinds wrongly (GPTQ lowers
-int4's error more than lut4's) and in-sample errors flatter GPTQ on wide inputs several times
-over (docs/quality.md "Bit budget"). The allocation is the
+error measured on the second: GPTQ lowers the errors of round-to-nearest by 1.5-4x, by a
+different factor per kind and linear, and in-sample errors flatter GPTQ on wide inputs several
+times over (docs/quality.md "Bit budget"). The allocation is the
 greedy solution of the Lagrangian relaxation: every linear starts at its cheapest candidate on the
 lower convex hull of (bytes, damage) and the upgrade with the largest damage saved per byte is
 taken while the file stays within budget.

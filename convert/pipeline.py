@@ -371,7 +371,8 @@ def _heap_trimmer():
     elsewhere), called after each linear: the conversion's 16-32 MiB transients land on the heap
     once glibc's mmap threshold has risen, and its free chunks kept the peak RSS creeping up layer
     by layer (1.53 -> 1.78 GB at the same step of a 1.5B model). A fixed mmap threshold instead
-    cost a page fault per 4 KiB of every transient (the conversion ran 40% longer)."""
+    cost a page fault per 4 KiB of every transient (that run reached layer 13 of 28 at 7:00, where
+    the trimmed one passed layer 18 at 5:40; stopped, not timed to the end)."""
     import ctypes
     import ctypes.util
 
