@@ -1,6 +1,6 @@
 """``--bpw B``: a bit budget, spent per linear where it buys the most fidelity.
 
-Each linear has candidate encodings (lut4 and int4 at g64/128, int8; the head also the split
+Each linear has candidate encodings (lut4 and int4 at g32/64/128, int8; the head also the split
 int4 + residual), each with an exact byte cost (formats/spec.py ``linear_tensors``) and an
 estimated damage: the relative error of its output on calibration inputs X,
 ``tr(E H E^T) / tr(W H W^T)`` with ``H = X^T X`` and ``E = W - Q``, times the share of the residual
@@ -65,8 +65,9 @@ def candidates(role: str, k: int) -> list[Choice]:
     """The encodings a linear of this role and K may take (the rows32 target: lut4 is C-core only)."""
     # g256 is not offered: measured on Qwen2.5-Coder-1.5B at the default 4.55, with it the budget
     # took g256 for most gate_up and KL rose 0.029 -> 0.034 (its estimates undercount it)
-    # nor g32: the C prompt GEMMs pair 64 columns, and one g32 linear sends the whole prefill to torch
-    gs = [g for g in (64, 128) if k % g == 0]
+    # g32 only where K is a multiple of 64: the SIMD products pair 32-column blocks (act.c), and one
+    # linear they cannot pair sends the whole prefill to torch
+    gs = [g for g in (32, 64, 128) if k % g == 0 and k % 64 == 0]
     out = [Choice(C.KIND_INT8, None)]
     if k % 32 == 0:
         out += [Choice(C.KIND_LUT4, g) for g in gs]
@@ -117,13 +118,14 @@ def relative_error(w: torch.Tensor, imp: torch.Tensor, c: Choice, h: torch.Tenso
     importance of each input, which also weighs the lut4 fit)."""
     gptq = factor is not None and c.kind in (C.KIND_LUT4, C.KIND_INT4) and not c.residual
     d = _gptq(w, imp, c, factor) if gptq else _rtn(w, imp, c)
-    e, w64 = (w - d).double(), w.double()
+    e = w - d
     if h is None:
         a = imp[None, :].double()
+        e, w64 = e.double(), w.double()
         num, den = float((a * e * e).sum()), float((a * w64 * w64).sum())
-    else:
-        h64 = h.double()
-        num, den = float(((e @ h64) * e).sum()), float(((w64 @ h64) * w64).sum())
+    else:  # fp32 products, float64 sums (float64 GEMMs were a third of the estimates' time in a py-spy profile)
+        num = float(((e @ h) * e).sum(dtype=torch.float64))
+        den = float(((w @ h) * w).sum(dtype=torch.float64))
     return num / den if den > 0 else 0.0
 
 

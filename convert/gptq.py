@@ -79,8 +79,7 @@ def gptq_factor(h, damp: float = GPTQ_DAMP):
         raise ValueError("calibration Hessian is not positive definite even with damping")
     del h, diag, d
     inv = torch.zeros(k, k, dtype=low.dtype)
-    inv.diagonal().fill_(1.0)
-    torch.linalg.solve_triangular(low.mT, inv.mT, upper=True, out=inv.mT)  # inv = L^-1, row-major
+    _lower_inverse(low, inv)
     del low
     flat, n, c = inv.view(-1), k * k, 1 << 20  # flip both axes in place: reverse the row-major array
     for a in range(0, n // 2, c):
@@ -89,6 +88,28 @@ def gptq_factor(h, damp: float = GPTQ_DAMP):
         flat[a:a + b] = flat[n - a - b:n - a].flip(0)
         flat[n - a - b:n - a] = head.flip(0)
     return inv, perm, dead
+
+
+INV_BLOCK = 512  # rows of L^-1 per step (the transients: two blocks of rows)
+
+
+def _lower_inverse(low: torch.Tensor, inv: torch.Tensor, block: int | None = None) -> None:
+    """inv <- L^-1 (row-major, zeros on entry) for a lower-triangular L given column-major
+    (``low``: the transpose view of a row-major matrix), by row blocks: from L X = I, block row I
+    of X is X_II = L_II^-1 and X_I,<I = -X_II (L_I,<I X_<I,<I), where X_<I,<I is the part already
+    computed and lower-triangular, so each product skips its zero blocks: about K^3 / 3 multiply-adds
+    (LAPACK's trtri) instead of the K^3 of a triangular solve against the whole identity, with
+    transients of one block row (measured at K = 8960: docs/quality.md "Conversion cost")."""
+    k, b = low.shape[0], block or INV_BLOCK
+    for j in range(0, k, b):
+        e = min(b, k - j)
+        xii = torch.linalg.solve_triangular(low[j:j + e, j:j + e].contiguous(), torch.eye(e), upper=False)
+        inv[j:j + e, j:j + e] = xii
+        if j:
+            r = torch.empty(e, j)
+            for c in range(0, j, b):  # X_<I,<I is zero above its diagonal blocks
+                r[:, c:c + b] = low[j:j + e, c:j] @ inv[c:j, c:c + b]
+            inv[j:j + e, :j] = torch.mm(xii, r).neg_()
 
 
 def _permute_rows(a: np.ndarray, src: np.ndarray) -> None:

@@ -43,13 +43,21 @@ def _sq_err(wg, q, scale, zero) -> torch.Tensor:
     return ((wg - deq) ** 2).sum(-1)
 
 
-def quantize_rows(w: torch.Tensor, group_size: int, method: str = "minmax", fast: bool = False):
+def quantize_rows(w: torch.Tensor, group_size: int, method: str = "minmax", fast: bool = False,
+                  use_c: bool = True):
     """w: float32 [R, K]. Returns (codes uint8 [R, K], scales_zeros bf16 [K/g, R, 2],
-    squared error sum, squared weight sum)."""
+    squared error sum, squared weight sum). ``clip`` runs in the C core (sq_clip_search) when it
+    builds, else here: the same search (float sums in other orders, so not always the same bits)."""
     if method not in METHODS or method in CALIBRATED:
         raise ValueError(f"unknown quantization method {method!r}; choose one of {METHODS}")
     r, k = w.shape
     g = group_size
+    if method == "clip" and use_c:
+        from .gptq import _lib
+
+        lib = _lib()
+        if lib is not None:
+            return _clip_c(lib, w, g, fast)
     wg = w.reshape(r, k // g, g)
     wmin = wg.amin(dim=2)
     wmax = wg.amax(dim=2)
@@ -86,6 +94,22 @@ def quantize_rows(w: torch.Tensor, group_size: int, method: str = "minmax", fast
     ref = float((wg.to(torch.float64) ** 2).sum())
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16)  # [K/g, R, 2]
     return q.to(torch.uint8).reshape(r, k), sz, err, ref
+
+
+def _clip_c(lib, w: torch.Tensor, g: int, fast: bool):
+    import ctypes
+
+    r, k = w.shape
+    w = w.to(torch.float32).contiguous()
+    grid = torch.tensor(FAST_GRID if fast else CLIP_GRID, dtype=torch.float64)
+    shifts = torch.tensor(FAST_SHIFTS if fast else CLIP_SHIFTS, dtype=torch.float64)
+    codes = torch.empty(r, k, dtype=torch.uint8)
+    sz = torch.empty(k // g, r, 2, dtype=torch.bfloat16)
+    err = ctypes.c_double()
+    if lib.sq_clip_search(w.data_ptr(), r, k, g, grid.data_ptr(), len(grid), shifts.data_ptr(), len(shifts),
+                          codes.data_ptr(), sz.data_ptr(), ctypes.addressof(err)):
+        raise MemoryError("sq_clip_search: out of memory")
+    return codes, sz, err.value, float((w.to(torch.float64) ** 2).sum())
 
 
 def quantize_residual(w: torch.Tensor, deq: torch.Tensor, group_size: int):

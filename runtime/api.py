@@ -119,7 +119,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     prompts where every layer linear has a C prompt GEMM, go through the C core (rows32, int8 or
     bf16 linears, a C compiler present). ``prefill_dequant`` (``--prefill``) picks the prompt
     product of int4 linears otherwise: None (auto) the C core's W4A8 GEMM where it applies and pays
-    (rows32, K >= 384, K and group multiples of 64), else dequantize + dense GEMM; True always
+    (rows32, K >= 384, K a multiple of 64 and g 32 or a multiple of 64), else dequantize + dense GEMM; True always
     dequantize (weights x fp32 activations, no A8); False always the kernel. ``lab``: comparison
     arms (runtime/options.py).
     """

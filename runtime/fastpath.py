@@ -15,7 +15,7 @@ from sparkq.formats import constants as C
 from sparkq.formats.layout import ROWS32
 
 from . import core
-from .weights import DenseLinear, Int4Linear, Int8Linear, LutLinear
+from .weights import DenseLinear, Int4Linear, Int8Linear, LutLinear, c_gemm_pairs
 
 
 def supported(model) -> str | None:
@@ -44,8 +44,8 @@ def prefill_supported(model, lib) -> str | None:
         if isinstance(lin, Int4Linear):
             if lin.prefill_dequant is not None:
                 return "--prefill kernel/dequant picks the torch prefill"
-            if lib.sq_simd() >= 2 and (lin.k % 64 or lin.g % 64):
-                return f"{name}: K={lin.k}, g={lin.g} are not multiples of 64 (the SIMD GEMMs pair 64 columns)"
+            if lib.sq_simd() >= 2 and not c_gemm_pairs(lin.k, lin.g):
+                return f"{name}: K={lin.k}, g={lin.g}: the SIMD GEMMs pair 64 columns (K a multiple of 64, g 32 or a multiple of 64)"
     return None
 
 

@@ -25,11 +25,17 @@ KERNEL_MAX_ROWS = 256  # measured crossover on the AVX2 box (README: prefill tab
 # Qwen3-1.7B shape 64 rows 1.28x, 96 rows 0.95x, 128 rows 1.03x, 192 rows 0.77x.
 C_MAX_ROWS = 64
 # ... and above it, with prefill_dequant=None (auto), rows32 int4 linears with K >= C_GEMM_MIN_K
-# whose activations pair up for the AVX2 kernel (K and the group multiples of 64) still take the
+# whose activations pair up for the AVX2 kernel (c_gemm_pairs) still take the
 # C core's W4A8 GEMM: `python tools/gemmbench.py` at 512 rows, against dequantize + fp32
 # GEMM, over three runs: K=256 0.96x, K=384 1.10-1.25x, K=576 1.11-1.32x, K=1536 1.11-1.29x,
 # K=2048/6144 1.32-1.46x (docs/performance.md "Prompt processing").
 C_GEMM_MIN_K = 384
+
+
+def c_gemm_pairs(k: int, g: int) -> bool:
+    """Whether the SIMD W4A8 products read this linear's activations in pairs of 32-column blocks
+    (act.c: K a multiple of 64; g32 scales the pair's two lanes apart, larger groups span whole pairs)."""
+    return k % 64 == 0 and (g == 32 or g % 64 == 0)
 
 
 def prefill_dtype() -> torch.dtype:
@@ -94,7 +100,7 @@ class Int4Linear:
             return False
         if m <= C_MAX_ROWS or self.prefill_dequant is False:
             return True
-        return self.prefill_dequant is None and self.k >= C_GEMM_MIN_K and self.k % 64 == 0 and self.g % 64 == 0
+        return self.prefill_dequant is None and self.k >= C_GEMM_MIN_K and c_gemm_pairs(self.k, self.g)
 
     def _c_dequant_matmul(self, xc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Many rows: the C core dequantizes row blocks to fp32 [rows, K] (row-major, as rows32

@@ -68,7 +68,9 @@ def _bf16(n, k, seed=0):
 
 
 CASES = {  # name -> builder; shapes cover the 4-row blocks, their remainders and both int4 code paths
-    "int4-g32": lambda: _int4(80, 96, 32),           # g32: natural activation order (portable loop)
+    "int4-g32": lambda: _int4(80, 96, 32),           # g32, K % 64 = 32: natural activation order (portable loop)
+    "int4-g32-paired": lambda: _int4(48, 576, 32),   # g32 paired: a 64-column step spans two groups
+    "int4-g32-chunks": lambda: _int4(32, 4416, 32),  # 138 groups: two column chunks of the prompt GEMM
     "int4-g64": lambda: _int4(48, 576, 64),          # paired AVX2 path, one pair per group
     "int4-g128-bias": lambda: _int4(64, 256, 128, bias=True),
     "int4-g128-blocks": lambda: _int4(1041, 256, 128),  # prefill GEMM: 2 row blocks, odd tail row
@@ -76,6 +78,8 @@ CASES = {  # name -> builder; shapes cover the 4-row blocks, their remainders an
     "int4-g256-chunks": lambda: _int4(48, 8448, 256),  # 66 VNNI steps, two per group, three chunks
     "int4-g64-many-groups": lambda: _int4(32, 16448, 64),  # 257 groups: the AVX2 products on AVX512 too
     "lut4-g32": lambda: _lut4(80, 96, 32),          # lut4: the same code paths as int4, levels by shuffle
+    "lut4-g32-paired": lambda: _lut4(48, 576, 32),
+    "lut4-g32-chunks": lambda: _lut4(32, 4416, 32),
     "lut4-g64": lambda: _lut4(48, 576, 64),
     "lut4-g128-blocks": lambda: _lut4(1041, 256, 128),
     "lut4-g64-chunks": lambda: _lut4(32, 4416, 64),
@@ -164,7 +168,7 @@ def test_work_stealing_products_equal_for_every_thread_count(build):
 
 @pytest.mark.parametrize("build", kernel_builds("avx512-bf16"))
 @pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int4-g64-chunks",
-                                  "int4-g256-chunks"])
+                                  "int4-g256-chunks", "int4-g32-paired"])
 def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case, build):
     """From 32 tokens on, AVX512-BF16 CPUs dequantize int4 row blocks to bf16 and multiply with
     vdpbf16ps: equal, up to fp32 summation order, to bf16 activations x bf16-rounded dequantized
@@ -200,7 +204,8 @@ def test_bf16_gemm_matches_bf16_compute_on_the_dequantized_weights(case, build):
 
 @pytest.mark.parametrize("case", ["int4-g64", "int4-g128-bias", "int4-g128-blocks", "int4-g32", "int8", "int4-g64-chunks",
                                   "int4-g256-chunks", "int4-g64-many-groups", "lut4-g32", "lut4-g64", "lut4-g128-blocks",
-                                  "lut4-g64-chunks", "lut4-g256-chunks", "lut4-g64-many-groups"])
+                                  "lut4-g64-chunks", "lut4-g256-chunks", "lut4-g64-many-groups", "int4-g32-paired",
+                                  "int4-g32-chunks", "lut4-g32-paired", "lut4-g32-chunks"])
 @pytest.mark.parametrize("build", kernel_builds())
 def test_batch_equals_single_products_and_dequant(case, build):
     """The prompt GEMM (below 32 tokens: W4A8 on every build) against one product per token, and
@@ -304,6 +309,50 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     assert ((last - b32[-1]).abs().max() / (b16[-1] - b32[-1]).abs().max()).item() < 0.9
 
 
+def _c_and_torch_prefill_errors(q, t):
+    """The C prefill's logits of tokens t from position 0, and per position (sorted) the max error
+    of the C and the torch prefill against fp32 compute on the dequantized weights, in units of
+    bf16 compute's error."""
+    from helpers import dequant_reference
+
+    m = q.model
+    b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
+    b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
+    c = m.forward(t, 0, last_only=False)
+    m.c_prefill = False
+    ref = m.forward(t, 0, last_only=False)
+    m.c_prefill = True
+
+    def err(y):
+        return ((y - b32).abs().amax(-1) / (b16 - b32).abs().amax(-1)).sort().values
+
+    return c, err(c), err(ref)
+
+
+@pytest.mark.parametrize("kind", ["int4", "lut4"])
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_g32_prompts_go_through_the_c_core(tmp_path, kernel_build, kind):
+    """g32 linears (the bit budget's pick for its most sensitive linears) pair in the SIMD
+    products (a scale per 128-bit lane): the prompt goes through sq_prefill, not the torch
+    prefill, no further from fp32 compute than the torch prefill, and equal up to summation
+    order to one decode step per token (the bounds of the test below)."""
+    from sparkq.runtime import load
+
+    src = make_llama(tmp_path / "m", hidden=128, inter=384, layers=2)
+    out = tmp_path / "q"
+    convert(str(src), str(out), Options(progress=False, method="minmax", group_size=32, kind=kind))
+    q = load(str(out), max_model_len=64)
+    m = q.model
+    assert {lin.g for name, lin in m.lin.items() if name.startswith("layers.")} == {32}
+    assert m.prefill_off is None and q.info.extra["prefill_path"] == "c"
+    t = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))
+    c, ec, et = _c_and_torch_prefill_errors(q, t)  # measured (avx2, int4): C median 1.12 max 1.90; torch 1.43, 2.71
+    assert ec[len(ec) // 2] < 1.6 and ec[-1] < 2.5 and ec[len(ec) // 2] <= et[len(et) // 2], (ec, et)
+    steps = torch.cat([m.forward(t[i:i + 1], i) for i in range(len(t))])
+    rel = ((c - steps).abs().amax(-1) / steps.abs().amax(-1)).sort().values
+    assert rel[len(rel) // 2] < 1e-4 and rel[-1] < 0.03, rel
+
+
 # head_dim 24: the AVX512 prefill's P.V on 16 columns, then 8; 64 and 128: the AVX512 decode
 # attention (query and output in registers: head_dim 64, 128 or 256)
 @pytest.mark.parametrize("heads,head_dim", [(4, None), (8, 24), (4, 64), (2, 128)])
@@ -314,7 +363,6 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     every build) on a sliding-window model: no further from fp32 compute than the torch prefill;
     the same bits whole or in chunks; equal, up to summation order, to decode steps through the
     same cache."""
-    from helpers import dequant_reference
     from sparkq.runtime import load
 
     src = make_llama(tmp_path / "m", arch="mistral", layers=3, sliding_window=8, heads=heads, head_dim=head_dim)
@@ -325,19 +373,9 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     assert m.prefill_off is None and m.layer_cfg[0].window == 8
     assert (m.fast.lib.sq_simd(), m.fast.lib.sq_prefill_bf16()) == K_.EXPECT[kernel_build]
     t = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2))
-    b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
-    b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
-    c = m.forward(t, 0, last_only=False)
-    m.c_prefill = False
-    ref = m.forward(t, 0, last_only=False)
-    m.c_prefill = True
-
-    def err(y):  # per position: max error against fp32 compute, in units of bf16 compute's error
-        return ((y - b32).abs().amax(-1) / (b16 - b32).abs().amax(-1)).sort().values
-
     # both W4A8 on the same weights; the torch path also rounds to bf16 between the products
     # (measured medians: C 1.24, torch 1.48; max 2.06 and 2.56; test_families' budget is 2.5)
-    ec, et = err(c), err(ref)
+    c, ec, et = _c_and_torch_prefill_errors(q, t)
     assert ec[len(ec) // 2] < 1.6 and ec[-1] < 2.5 and ec[len(ec) // 2] <= et[len(et) // 2], (ec, et)
     assert torch.equal(m.forward(t, 0, last_only=False), c)  # deterministic; the cache holds the C prefill's K/V
     # chunks of 7 (the window is 8: later chunks see keys from p0 - 7 on, through the fp32 key copy)

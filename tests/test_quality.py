@@ -57,7 +57,10 @@ def test_gptq_lowers_output_error_and_codes_decode_in_kernel_convention():
     assert gptq_e < 0.8 * clip_e, (gptq_e, clip_e)
 
 
-def test_gptq_factor_is_the_upper_cholesky_factor_of_the_damped_inverse():
+@pytest.mark.parametrize("block", [512, 64, 80])  # one block; row blocks of the inverse (80: a short last one)
+def test_gptq_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(block, monkeypatch):
+    from sparkq.convert import gptq
+    monkeypatch.setattr(gptq, "INV_BLOCK", block)
     x = _correlated(2048, 192, 5)
     h = x.T @ x
     u, perm, dead = gptq_factor(h)
@@ -108,6 +111,33 @@ def test_gptq_c_block_kernel_equals_the_torch_reference(levels):
     a = gptq_rows(w, 64, s, z, u, perm, dead, tab, use_c=True)
     b = gptq_rows(w, 64, s, z, u, perm, dead, tab, use_c=False)
     assert torch.equal(a, b) and int(a.max()) <= 15
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_clip_search_c_equals_the_torch_reference(fast):
+    """sq_clip_search (the converter's int4 scale search in C) and quantize_rows' torch loop search
+    the same candidates in the same order with the same bf16 roundings; only their float sums
+    differ in order, so a few groups may tie differently: codes and (scale, zero) agree on all
+    but a few, the reported squared error is the error of what they return, and within 1e-6 of
+    the reference's. Covers a constant group (no range), a zero row and g32..g128."""
+    from sparkq.runtime import core
+    if core.compiler() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(11)
+    for g, (r, k) in ((32, (96, 256)), (64, (200, 576)), (128, (64, 1024))):
+        w = torch.distributions.StudentT(torch.tensor(4.0)).sample((r, k)) * 0.02
+        w[5, :g] = 0.3  # a constant group
+        w[7] = 0.0  # a zero row
+        w += 1e-4 * torch.randn(r, k, generator=gen) * (torch.arange(r)[:, None] > 7)
+        ref = quantize_rows(w, g, "clip", fast=fast, use_c=False)
+        got = quantize_rows(w, g, "clip", fast=fast)
+        assert (got[0] == ref[0]).float().mean() > 0.999 and (got[1] == ref[1]).all(-1).float().mean() > 0.99
+        assert int(got[0].max()) <= 15 and torch.equal(got[0][7], ref[0][7]) and torch.equal(got[1][:, 5], ref[1][:, 5])
+        e = float(((w - dequantize_codes(got[0], got[1], g, torch.float32)) ** 2).sum(dtype=torch.float64))
+        assert got[2] == pytest.approx(e, rel=1e-5) and got[2] == pytest.approx(ref[2], rel=1e-6)
+        assert got[3] == ref[3]
+        mm = quantize_rows(w, g, "minmax")  # the search starts from min/max: never worse
+        assert got[2] <= mm[2]
 
 
 def test_gptq_dead_inputs_and_singular_hessian():

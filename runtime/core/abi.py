@@ -12,7 +12,7 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 7
+ABI = 8
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -54,6 +54,7 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_dequant_rows": (ctypes.c_int, [_PTR(SqLinear), _I, _I, _P]),
     "sq_gptq_block": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _P, _P, _I, _I, _P, _I, _P]),
     "sq_lut_fit": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _P]),
+    "sq_clip_search": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]),
 }
 
 

@@ -44,7 +44,7 @@ static void sq_act_free(sq_act *a) {
  * the products nothing; against one scale per 32 columns they cut the A8 error of a product
  * with an outlier channel from ~1% to ~0.6% and the example's W4A8 KL excess 3-fold
  * (docs/performance.md "Prompt processing").
- * For an int4 L on AVX2 with K % 64 == 0 and g % 64 == 0 the codes go in "paired" order: for
+ * For an int4 L on AVX2 with K % 64 == 0 (any g: g32 scales the two blocks' lanes apart) the codes go in "paired" order: for
  * block pair p, bytes 64p..64p+31 hold columns 0..15 of blocks 2p and 2p+1, bytes 64p+32..63
  * their columns 16..31 -- the order in which one 32-byte load of two weight blocks yields its
  * low and high nibbles. With AVX512-VNNI the same holds for 64-byte loads ("quad" order): for
@@ -55,10 +55,10 @@ static void sq_act_free(sq_act *a) {
 static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
     const int64_t k = L->k, G = is_q4(L) ? L->g : 32;
     a->x = x;
-#if defined(SQ_AVX512) /* quad where a 16-row chunk's scales fit gemv_q4_a8quad_avx512's buffer */
-    a->paired = is_q4(L) && k % 64 == 0 && G % 64 == 0 ? (k / G <= QUAD_MAX_GROUPS ? 2 : 1) : 0;
+#if defined(SQ_AVX512) /* quad where a 16-row chunk's scales fit gemv_q4_a8quad_avx512's buffer; g32 paired */
+    a->paired = is_q4(L) && k % 64 == 0 && (G % 64 == 0 || G == 32) ? (G % 64 == 0 && k / G <= QUAD_MAX_GROUPS ? 2 : 1) : 0;
 #elif defined(SQ_AVX2)
-    a->paired = is_q4(L) && k % 64 == 0 && G % 64 == 0;
+    a->paired = is_q4(L) && k % 64 == 0 && (G % 64 == 0 || G == 32);
 #else
     a->paired = 0;
 #endif

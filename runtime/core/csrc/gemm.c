@@ -36,7 +36,9 @@ static void gemm_q4_block(const sq_linear *L, const sq_act *a, int64_t M, float 
     const int64_t gc = KC_BYTES / L->g > 0 ? KC_BYTES / L->g : 1; /* groups per column chunk */
     for (int64_t g0 = 0; g0 < ng; g0 += gc) {
         const int64_t g1 = g0 + gc < ng ? g0 + gc : ng;
-        if (lut) {
+        if (ppg == 0 && lut) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 0, 1); /* g32 */
+        else if (ppg == 0) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 0, 0);
+        else if (lut) {
             if (ppg == 1) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 1, 1);
             else if (ppg == 2) gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 2, 1);
             else gemm_q4_a8pair_avx2(L, a, M, sw, Yw, ldy, n0, n1, g0, g1, g0 > 0, 4, 1);

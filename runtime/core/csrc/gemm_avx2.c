@@ -26,12 +26,11 @@
 /* Y[t * ldy + col] = row n of L times the activations of token t, for tokens t0..t0+T over
  * the weight groups [g0, g1) (stored, or added to what an earlier column chunk stored);
  * s = fp32 weight scales of row n [groups]; PPG = 64-column steps per group (compile-time:
- * g = 64, 128, 256) */
+ * g = 64, 128, 256), or 0 for g = 32 (a step spans two groups, g0 and g1 even) */
 static inline __attribute__((always_inline)) void tile_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, const float *s,
                                                             float *Y, int64_t ldy, int64_t col, int64_t n, int64_t t0,
                                                             int64_t g0, int64_t g1, int add, const int T, const int PPG,
                                                             const int LUT) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i tab = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n)))
                             : _mm256_setzero_si256(); /* lut4: the row's levels (gemv_avx2.c) */
     const int8_t *xq[TT];
@@ -40,29 +39,25 @@ static inline __attribute__((always_inline)) void tile_q4_a8pair_avx2(const sq_l
     const uint8_t *w = L->q + n * (L->k / 2);
     __m256 acc[TT];
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t gi = g0; gi < g1; gi++) {
+    for (int64_t p = g0 / 2; PPG == 0 && p < g1 / 2; p++) { /* g32: two groups per step, a scale per lane */
+        __m256i lo, hi, tl = tab, th = tab;
+        wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
+        const __m256 sv = _mm256_set_m128(_mm_set1_ps(s[2 * p + 1]), _mm_set1_ps(s[2 * p]));
+        for (int t = 0; t < T; t++) {
+            const __m256i d = xstep_avx2(xq[t], p, lo, hi, tl, th, LUT);
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xs8[t] + 8 * p)), sv, acc[t]);
+        }
+    }
+    for (int64_t gi = g0; PPG > 0 && gi < g1; gi++) {
         __m256 gacc[TT];
         for (int t = 0; t < T; t++) gacc[t] = _mm256_setzero_ps();
         for (int pp = 0; pp < PPG; pp++) {
             const int64_t p = gi * PPG + pp;
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
-            __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-            __m256i tl = lo, th = hi;
-            if (LUT) {
-                tl = _mm256_shuffle_epi8(tab, lo), th = _mm256_shuffle_epi8(tab, hi);
-                lo = _mm256_sign_epi8(tl, tl), hi = _mm256_sign_epi8(th, th); /* |levels| */
-            }
-            for (int t = 0; t < T; t++) {
-                const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq[t] + 64 * p));
-                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq[t] + 64 * p + 32));
-                __m256i d;
-                if (LUT)
-                    d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_sign_epi8(xl, tl)), ones),
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_sign_epi8(xh, th)), ones));
-                else
-                    d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
-                gacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xs8[t] + 8 * p), gacc[t]);
-            }
+            __m256i lo, hi, tl = tab, th = tab;
+            wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
+            for (int t = 0; t < T; t++)
+                gacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(xstep_avx2(xq[t], p, lo, hi, tl, th, LUT)),
+                                          _mm256_loadu_ps(xs8[t] + 8 * p), gacc[t]);
         }
         const __m256 sv = _mm256_broadcast_ss(s + gi);
         for (int t = 0; t < T; t++) acc[t] = _mm256_fmadd_ps(gacc[t], sv, acc[t]);

@@ -1,38 +1,73 @@
 /* The decode products (GEMV, rows [r0, r1) of y = W x) on AVX2: int4 and lut4 x paired int8
  * activations (maddubs), int8 x int8 (sign trick + maddubs). The portable reference is gemv.c. */
 #ifdef SQ_AVX2
-/* int4 (LUT = 0) or lut4 (LUT = 1) x paired int8 activations, one row. A lut4 row's codes pick its
- * levels by a byte shuffle (its 16 levels in both lanes), multiplied with the sign trick (|t| and
- * x with t's sign: maddubs wants an unsigned operand), each half widened by its own madd (two
- * products of up to 127 x 127 overflow int16 together). The bytes `ahead` rows further on are
+/* one 64-column step p of a weight row (the decode products and the prompt GEMM, gemm_avx2.c): the
+ * unsigned operands (lo, hi: the nibbles, or for lut4 the |levels| they pick from tab) and for
+ * lut4 the levels whose signs the activations take */
+static inline __attribute__((always_inline)) void wstep_avx2(const uint8_t *w, int64_t p, __m256i tab, __m256i *lo,
+                                                             __m256i *hi, __m256i *tl, __m256i *th, const int LUT) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
+    *lo = _mm256_and_si256(wv, m4), *hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+    if (LUT) {
+        *tl = _mm256_shuffle_epi8(tab, *lo), *th = _mm256_shuffle_epi8(tab, *hi);
+        *lo = _mm256_sign_epi8(*tl, *tl), *hi = _mm256_sign_epi8(*th, *th);
+    }
+}
+
+/* step p of one token's paired activations xq times a wstep_avx2 result: 8 int32 sums (lanes 0-3
+ * the first 32-column block, 4-7 the second; lut4: each half widened by its own madd, as two
+ * products of up to 127 x 127 overflow int16 together) */
+static inline __attribute__((always_inline)) __m256i xstep_avx2(const int8_t *xq, int64_t p, __m256i lo, __m256i hi,
+                                                                __m256i tl, __m256i th, const int LUT) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + 64 * p));
+    const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64 * p + 32));
+    if (LUT)
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_sign_epi8(xl, tl)), ones),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_sign_epi8(xh, th)), ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
+}
+
+/* step p of row w times the paired activations xq, prefetching the bytes pf further on */
+static inline __attribute__((always_inline)) __m256i gemv_step_avx2(const uint8_t *w, const int8_t *xq, int64_t p,
+                                                                    int64_t pf, __m256i tab, const int LUT) {
+    _mm_prefetch((const char *)(w + pf + 32 * p), _MM_HINT_T0);
+    __m256i lo, hi, tl = tab, th = tab;
+    wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
+    return xstep_avx2(xq, p, lo, hi, tl, th, LUT);
+}
+
+/* int4 (LUT = 0) or lut4 (LUT = 1) x paired int8 activations, one row (g32: a scale per lane). A
+ * lut4 row's codes pick its levels by a byte shuffle (its 16 levels in both lanes), multiplied with
+ * the sign trick (|t| and x with t's sign: maddubs wants an unsigned operand). The bytes `ahead` rows further on are
  * prefetched as they are read: a software stream beside the hardware one. */
 static inline __attribute__((always_inline)) void row_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
                                                                      int64_t n, int64_t ahead, const int LUT) {
     const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G, rb = K / 2;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i tab = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n)))
                             : _mm256_setzero_si256();
     __m256 acc = _mm256_setzero_ps();
     float zt = 0.f;
     const uint8_t *w = L->q + n * rb;
+    if (G == 32) { /* a 64-column step spans two groups: one scale per 128-bit lane */
+        for (int64_t p = 0; p < K / 64; p++) {
+            const __m256i d = gemv_step_avx2(w, a->q, p, ahead * rb, tab, LUT);
+            const uint16_t *p0 = L->sz + 2 * (2 * p * N + n), *p1 = L->sz + 2 * ((2 * p + 1) * N + n);
+            const float s0 = bf(p0[0]), z0 = bf(p0[1]), s1 = bf(p1[0]), z1 = bf(p1[1]);
+            const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(a->s8 + 8 * p)), sv, acc);
+            zt += LUT ? z0 * a->gsum[2 * p] + z1 * a->gsum[2 * p + 1]
+                      : z0 * a->gsum[2 * p] - 8.f * s0 * a->gqsum[2 * p] + z1 * a->gsum[2 * p + 1] -
+                            8.f * s1 * a->gqsum[2 * p + 1];
+        }
+        y[n] = hsum8(acc) + zt;
+        return;
+    }
     for (int64_t gi = 0; gi < ngroups; gi++) {
         __m256 gacc = _mm256_setzero_ps();
         for (int64_t pp = 0; pp < ppg; pp++) {
             const int64_t p = gi * ppg + pp;
-            const __m256i xl = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p));
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(a->q + 64 * p + 32));
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
-            _mm_prefetch((const char *)(w + ahead * rb + 32 * p), _MM_HINT_T0);
-            const __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-            __m256i d;
-            if (LUT) {
-                const __m256i tl = _mm256_shuffle_epi8(tab, lo), th = _mm256_shuffle_epi8(tab, hi);
-                d = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(tl, tl), _mm256_sign_epi8(xl, tl)), ones),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(th, th), _mm256_sign_epi8(xh, th)), ones));
-            } else {
-                d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
-            }
+            const __m256i d = gemv_step_avx2(w, a->q, p, ahead * rb, tab, LUT);
             gacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(a->s8 + 8 * p), gacc);
         }
         const uint16_t *p = L->sz + 2 * (gi * N + n);

@@ -147,3 +147,84 @@ int sq_lut_fit(const float *w, int64_t R, int64_t K, int64_t g, const float *a, 
     }
     return fail ? -1 : 0;
 }
+
+/* ---- int4 scale search (convert/quantize.py quantize_rows "clip" is the reference, in torch) ----
+ * Per row and group of g columns: start from the group's [min, max] on 0..15; for each shrink s
+ * of the range (grid) and shift of its centre (shifts), assign codes on that range, refit scale and
+ * offset by least squares on those codes, and keep whichever of the two reconstructs the group with
+ * the least squared error (the first on a tie). Scales and zeros are bf16-rounded before the codes
+ * are chosen, as the kernel reads them. One group at a time in cache, rows over the threads, where
+ * the torch version makes ~40 passes over the whole [R, K] tensor. */
+static inline float bf_round(float x) { return bf(to_bf(x)); }
+
+static inline int int4_code(float w, float s, float z) {
+    if (!(s > 0.f)) return 8;
+    return (int)fminf(fmaxf(rintf((w - z) / s + 8.f), 0.f), 15.f);
+}
+
+static inline float int4_err(const float *w, int64_t g, float s, float z, uint8_t *q) {
+    float e = 0.f;
+    for (int64_t j = 0; j < g; j++) {
+        q[j] = (uint8_t)int4_code(w[j], s, z);
+        const float d = w[j] - (((float)q[j] - 8.f) * s + z);
+        e += d * d;
+    }
+    return e;
+}
+
+/* w [R, K] -> codes [R, K], sz bf16 [K/g, R, 2] (scale, zero: w ~ (q - 8) scale + zero); *err: the
+ * sum of the groups' squared errors. grid [ngrid] range shrinks, shifts [nshift] centre shifts (as
+ * fractions of the range); ngrid = 0: min/max only. */
+int sq_clip_search(const float *w, int64_t R, int64_t K, int64_t g, const double *grid, int64_t ngrid,
+                   const double *shifts, int64_t nshift, uint8_t *codes, uint16_t *sz, double *err) {
+    const int64_t G = K / g;
+    double total = 0.0;
+    int fail = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        uint8_t *tq = malloc((size_t)g), *bq = malloc((size_t)g);
+        if (!tq || !bq) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t r = 0; r < R; r++) {
+            if (!tq || !bq) continue;
+            for (int64_t gi = 0; gi < G; gi++) {
+                const float *wg = w + r * K + gi * g;
+                float lo = wg[0], hi = wg[0], wsum = 0.f;
+                for (int64_t j = 0; j < g; j++) lo = fminf(lo, wg[j]), hi = fmaxf(hi, wg[j]), wsum += wg[j];
+                float s = bf_round((hi - lo) / 15.f), z = bf_round(lo + 8.f * s);
+                float best = int4_err(wg, g, s, z, bq);
+                const float rng = hi - lo, mid = (hi + lo) / 2.f, wm = wsum / (float)g;
+                for (int64_t a = 0; a < ngrid; a++)
+                    for (int64_t b = 0; b < nshift; b++) {
+                        const float clo = mid - rng * (float)(grid[a] / 2 - shifts[b]);
+                        const float cs = bf_round(rng * (float)grid[a] / 15.f), cz = bf_round(clo + 8.f * cs);
+                        float e = int4_err(wg, g, cs, cz, tq);
+                        if (e < best) best = e, s = cs, z = cz, memcpy(bq, tq, (size_t)g);
+                        /* least squares on these codes: w ~ a (q - 8) + b */
+                        float xs = 0.f;
+                        for (int64_t j = 0; j < g; j++) xs += (float)tq[j] - 8.f;
+                        const float xm = xs / (float)g;
+                        float var = 0.f, cov = 0.f;
+                        for (int64_t j = 0; j < g; j++) {
+                            const float dx = (float)tq[j] - 8.f - xm;
+                            var += dx * dx, cov += dx * (wg[j] - wm);
+                        }
+                        const float sl = var > 0.f ? cov / fmaxf(var, 1e-20f) : cs;
+                        const float rs = bf_round(fmaxf(sl, 0.f)), rz = bf_round(wm - sl * xm);
+                        e = int4_err(wg, g, rs, rz, tq);
+                        if (e < best) best = e, s = rs, z = rz, memcpy(bq, tq, (size_t)g);
+                    }
+                memcpy(codes + r * K + gi * g, bq, (size_t)g);
+                sz[2 * (gi * R + r)] = to_bf(s);
+                sz[2 * (gi * R + r) + 1] = to_bf(z);
+                total += best;
+            }
+        }
+        free(tq); free(bq);
+    }
+    *err = total;
+    return fail ? -1 : 0;
+}
