@@ -226,18 +226,27 @@ def _open(model: str, runtime: str, prefill: str, **kw):
     return _run(load, model, prefill_dequant=_prefill_mode(prefill), **kw)
 
 
+# the sampling and memory options generate and chat share
+OPT_TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy")
+OPT_TOP_P = typer.Option(1.0, "--top-p")
+OPT_SEED = typer.Option(None, "--seed")
+OPT_MAX_MODEL_LEN = typer.Option(None, "--max-model-len", help="default: min(2048, max_position_embeddings)")
+OPT_KV_BUDGET = typer.Option(192, "--kv-budget-mib")
+OPT_THREADS = typer.Option(None, "--threads")
+
+
 @app.command()
 def generate(
     model: str = typer.Argument(..., help="artifact dir, Hub repo id org/name[@revision], or a bf16 HF checkpoint dir"),
     prompt: str = typer.Argument(...),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="default: min(2048, max_position_embeddings)"),
-    kv_budget_mib: float = typer.Option(192, "--kv-budget-mib"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
+    temperature: float = OPT_TEMPERATURE,
+    top_p: float = OPT_TOP_P,
+    seed: Optional[int] = OPT_SEED,
+    max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
+    kv_budget_mib: float = OPT_KV_BUDGET,
+    threads: Optional[int] = OPT_THREADS,
     prefill: str = typer.Option("auto", "--prefill", help="torch runtime: prompt products of int4 linears above 64 "
                                 "rows: auto (the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token ids, stats)"),
@@ -268,6 +277,67 @@ def generate(
 
     _run(run_stream)
     typer.echo("\n" + R.generate_stats(m, _rss_mib(), _threads(m)), err=True)
+
+
+@app.command()
+def chat(
+    model: str = typer.Argument(..., help="artifact dir, Hub repo id org/name[@revision], or a bf16 HF checkpoint dir"),
+    system: Optional[str] = typer.Option(None, "--system", help="a system message for the conversation"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="per answer (and at most what the cache has left)"),
+    temperature: float = OPT_TEMPERATURE,
+    top_p: float = OPT_TOP_P,
+    seed: Optional[int] = OPT_SEED,
+    max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
+    kv_budget_mib: float = OPT_KV_BUDGET,
+    threads: Optional[int] = OPT_THREADS,
+    lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (the default for rows32 artifacts)"),
+    use_torch: bool = typer.Option(False, "--torch", help="the torch runtime"),
+):
+    """Chat in the terminal: the chat template, streamed answers, the history kept in the KV cache
+    (a turn prefills only its new tokens). /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops
+    an answer."""
+    from sparkq.runtime.chat import ChatSession
+    from sparkq.runtime.errors import RuntimeUserError
+
+    if lite and use_torch:
+        _fail("--lite and --torch exclude each other")
+    m = _open(model, "lite" if lite else "torch" if use_torch else "auto", "auto",
+              max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads)
+    session = _run(ChatSession, m, system, temperature=temperature, top_p=top_p, seed=seed)
+    typer.echo(f"sparkq chat: {model} ({_runtime(m)}, KV cache {session.capacity()} tokens). "
+               "/reset starts over, /exit quits, Ctrl-C stops an answer.", err=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            typer.echo("", err=True)
+            return
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            typer.echo("", err=True)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            session.reset()
+            typer.echo("[conversation reset]", err=True)
+            continue
+        pieces = session.turn(text, max_new_tokens=max_new_tokens)
+        try:
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pieces.close()
+            session.last["interrupted"] = True
+        except RuntimeUserError as e:
+            typer.echo(f"error: {e}", err=True)
+            continue
+        st = session.last
+        typer.echo(("\n[stopped] " if st["interrupted"] else "\n") +
+                   f"[{st['new_tokens']} tokens; prefilled {st['prefilled']} of {st['prompt_tokens']}]", err=True)
 
 
 def _rss_mib() -> dict:

@@ -186,5 +186,8 @@ class LoadedModel(Generator):
         self._tok[0] = token
         return self.model.forward(self._tok, pos, last_only=True)[-1].float().numpy()
 
+    def prefill_from(self, ids: list[int], pos0: int):
+        return self.model.forward(torch.tensor(ids[pos0:], dtype=torch.int64), pos0, last_only=True)[-1].float().numpy()
+
     def logits(self, token_ids) -> torch.Tensor:
         return self.model.logits(token_ids)

@@ -80,6 +80,11 @@ class Generator:
     def next_logits(self, token: int, pos: int) -> np.ndarray:
         raise NotImplementedError
 
+    def prefill_from(self, ids: list[int], pos0: int) -> np.ndarray:
+        """Logits of the last of ids when ids[:pos0] are already in the KV cache (a chat's
+        history): only ids[pos0:] are computed."""
+        raise NotImplementedError
+
     def prompt_ids(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
             raise RuntimeUserError("this model has no tokenizer.json; pass token ids (stream_ids/logits) instead of text")
@@ -89,15 +94,18 @@ class Generator:
         return self.tokenizer.encode(prompt)
 
     def stream_ids(self, ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                   seed: int | None = None, stop_ids=None):
-        """Yields generated token ids; raises before any compute if it cannot fit."""
+                   seed: int | None = None, stop_ids=None, cached: int = 0):
+        """Yields generated token ids; raises before any compute if it cannot fit. ``cached``:
+        how many leading ids are already in the KV cache (< len(ids)); each yielded token but the
+        last is fed back (its K/V cached at the next position)."""
         check_request(ids, max_new_tokens, temperature, top_p)
         self.check_fits(len(ids) + max_new_tokens)
         stop = (self.tokenizer.stop_ids if self.tokenizer else set()) if stop_ids is None else set(stop_ids)
         rng = np.random.default_rng(seed)
-        st = self.last_stats = GenStats(prompt_tokens=len(ids))
+        st = self.last_stats = GenStats(prompt_tokens=len(ids) - cached)
         t0 = time.perf_counter()
-        tok = sample(self.first_logits(ids), temperature, top_p, rng)
+        first = self.prefill_from(ids, cached) if cached else self.first_logits(ids)
+        tok = sample(first, temperature, top_p, rng)
         st.prefill_s = st.ttft_s = time.perf_counter() - t0
         st.new_tokens = 1
         yield tok

@@ -131,6 +131,9 @@ class LiteModel(Generator):
     def next_logits(self, token: int, pos: int) -> np.ndarray:
         return self.session.step(token, pos)
 
+    def prefill_from(self, ids, pos0: int) -> np.ndarray:
+        return self.prefill(list(ids)[pos0:], pos0)
+
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, verify: bool = False) -> LiteModel:

@@ -1,0 +1,78 @@
+"""A conversation over one model's KV cache (``sparkq chat``).
+
+Each turn renders the whole history with the model's chat template and prefills only the tokens
+after the longest prefix already in the cache, so a new turn costs its own tokens, not the
+history's. A turn stopped early (Ctrl-C) keeps what it generated; the cache is trusted only up to
+the last token that was certainly fed back."""
+from __future__ import annotations
+
+from .errors import RuntimeUserError
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatSession:
+    def __init__(self, gen, system: str | None = None, **sampling):
+        if gen.tokenizer is None:
+            raise RuntimeUserError("this model has no tokenizer.json: chat needs its tokenizer and chat template")
+        from .generate import check_request
+
+        check_request([0], 1, sampling.get("temperature", 0.0), sampling.get("top_p", 1.0))
+        self.gen, self.system, self.sampling = gen, system, sampling
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.cached: list[int] = []  # the tokens whose K/V are in the cache, from position 0
+        self.last = {"prompt_tokens": 0, "prefilled": 0, "new_tokens": 0, "interrupted": False}
+
+    def capacity(self) -> int:
+        info = self.gen.info
+        return min(info.kv_capacity, info.max_model_len)
+
+    def turn(self, text: str, max_new_tokens: int = 512):
+        """Yields the answer's text pieces as they decode; the answer joins the history at the end
+        (also when the caller stops early: KeyboardInterrupt inside, or closing the generator)."""
+        tok = self.gen.tokenizer
+        msgs = self.messages + [{"role": "user", "content": text}]
+        ids = tok.encode_chat(msgs)
+        room = self.capacity() - len(ids)
+        if room < 1:
+            raise RuntimeUserError(f"the conversation is {len(ids)} tokens, the KV cache holds {self.capacity()}: "
+                                   "/reset, or raise --kv-budget-mib / --max-model-len")
+        reuse = min(common_prefix(self.cached, ids), len(ids) - 1)
+        new: list[int] = []
+        shown, out = 0, ""
+        self.last = {"prompt_tokens": len(ids), "prefilled": len(ids) - reuse, "new_tokens": 0, "interrupted": False}
+        answered = False  # the turn joins the history: it ran, or was stopped
+        try:
+            for t in self.gen.stream_ids(ids, max_new_tokens=min(max_new_tokens, room), cached=reuse,
+                                         **self.sampling):
+                new.append(t)
+                if t in tok.stop_ids:
+                    break
+                out = tok.decode([x for x in new if x not in tok.stop_ids])
+                if out.endswith("\ufffd"):
+                    continue
+                if len(out) > shown:
+                    yield out[shown:]
+                    shown = len(out)
+            answered = True
+        except KeyboardInterrupt:  # inside a product: the answer so far stays
+            answered = self.last["interrupted"] = True
+        except GeneratorExit:  # the caller stopped reading (its own Ctrl-C)
+            answered = True
+            raise
+        finally:
+            # every yielded token but the last was fed back; before the first, the prefill may not
+            # have finished: only the prefix reused from the last turn is certain then
+            self.cached = ids + new[:-1] if new else ids[:reuse]
+            self.last["new_tokens"] = len(new)
+            if answered or new:
+                self.messages = msgs + [{"role": "assistant", "content": out}]
