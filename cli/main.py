@@ -340,6 +340,42 @@ def chat(
                    f"[{st['new_tokens']} tokens; prefilled {st['prefilled']} of {st['prompt_tokens']}]", err=True)
 
 
+@app.command()
+def serve(
+    model: str = typer.Argument(..., help="a rows32 artifact dir or Hub repo id org/name[@revision]"),
+    host: str = typer.Option("127.0.0.1", "--host", help="the address to bind (loopback by default)"),
+    port: int = typer.Option(8080, "--port"),
+    parallel: int = typer.Option(4, "--parallel", help="sequences decoded together (KV slots; the budget is split "
+                                 "evenly between them)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPARKQ_API_KEY",
+                                          help="require Authorization: Bearer KEY on /v1"),
+    kv_budget_mib: float = OPT_KV_BUDGET,
+    max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
+    threads: Optional[int] = OPT_THREADS,
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="the id clients send as 'model' "
+                                             "(default: the directory's name or the repo id)"),
+    max_queue: int = typer.Option(64, "--max-queue", help="requests that may wait for a slot; more get HTTP 429"),
+):
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) that
+    decodes concurrent requests together, one pass over the weights per step."""
+    if parallel < 1 or parallel > 64:
+        _fail(f"--parallel must be in 1..64, got {parallel}")
+    if max_queue < 0:
+        _fail(f"--max-queue must be >= 0, got {max_queue}")
+    if _rows32_artifact(model) is False:
+        _fail(f"{model}: sparkq serve runs rows32 artifacts (torch-free); convert with --target rows32")
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        _fail("sparkq serve needs starlette and uvicorn: pip install 'sparkq[serve]'")
+    from sparkq.runtime.server import serve as run_server
+
+    _run(run_server, model, host=host, port=port, parallel=parallel, api_key=api_key, kv_budget_mib=kv_budget_mib,
+         max_model_len=max_model_len, threads=threads, model_name=model_name, max_queue=max_queue,
+         echo=lambda s: typer.echo(s, err=True))
+
+
 def _rss_mib() -> dict:
     from sparkq.runtime.procmem import rss_kib
     return {k: v / 1024 for k, v in rss_kib().items()}
@@ -452,6 +488,67 @@ def bench(
         typer.echo(json.dumps(r, indent=1))
         return
     typer.echo(R.format_bench(r))
+
+
+@app.command("bench-serve")
+def bench_serve(
+    arm: list[str] = typer.Option(..., "--arm", help="NAME=URL[@MODEL]: an OpenAI-compatible server (base URL without "
+                                  "/v1; MODEL: the id it serves, default NAME); repeatable, arms are interleaved"),
+    concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="concurrent streams per level"),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="new tokens per request (ignore_eos)"),
+    per_client: int = typer.Option(2, "--per-client", help="requests each client sends in turn per level"),
+    passes: int = typer.Option(3, "--passes"),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="file with one prompt per line (default: 12 shipped)"),
+    prompt_ids: int = typer.Option(0, "--prompt-ids", help="instead, prompts of this many token ids (100..999): "
+                                   "for models without a real vocabulary (sparkq synth + tools/llamacpp.py)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key"),
+    as_json: bool = typer.Option(False, "--json"),
+    plot: Optional[str] = typer.Option(None, "--plot", help="PNG: aggregate decode tok/s per level and arm"),
+):
+    """Serving benchmark: aggregate decode tok/s, p50/p95 TTFT and inter-token latency at each
+    concurrency, for running servers (sparkq serve, llama-server), interleaved, medians over passes."""
+    from sparkq.runtime.servebench import bench as do_bench
+
+    arms = {}
+    for a in arm:
+        name, eq, rest = a.partition("=")
+        if not eq or not rest.startswith("http"):
+            _fail(f"--arm {a!r}: use NAME=http://HOST:PORT[@MODEL]")
+        url, _, model = rest.partition("@")
+        arms[name] = (url, model or name)
+    try:
+        levels = [int(x) for x in concurrency.split(",")]
+    except ValueError:
+        _fail(f"--concurrency {concurrency!r}: a comma-separated list of integers")
+    if not levels or min(levels) < 1 or max_tokens < 1 or passes < 1 or per_client < 1:
+        _fail("--concurrency levels, --max-tokens, --passes and --per-client must be >= 1")
+    from importlib.resources import files
+
+    path = Path(prompts) if prompts else files("sparkq.runtime") / "prompts" / "fidelity.txt"
+    if not path.is_file():
+        _fail(f"--prompts {prompts}: no such file")
+    plist = [line for line in path.read_text().splitlines() if line.strip()]
+    if prompt_ids > 0:
+        from sparkq.runtime.servebench import id_prompts
+        plist, path = id_prompts(16, prompt_ids), f"{prompt_ids} token ids"
+
+    def progress(r):
+        typer.echo(f"  pass {r['pass']} c={r['concurrency']} {r['arm']}: {r['agg_tok_s']:.1f} tok/s, TTFT p50 "
+                   f"{r['ttft_p50_s']:.2f} s, ITL p50 {r['itl_p50_ms']:.0f} ms, errors {r['errors']}", err=True)
+
+    try:
+        r = do_bench(arms, plist, levels, max_tokens, passes, per_client, api_key, progress)
+    except OSError as e:
+        _fail(f"a server did not answer ({e}); start it first (sparkq serve MODEL / llama-server)")
+    r.update(settings={"concurrency": levels, "max_tokens": max_tokens, "per_client": per_client, "passes": passes,
+                       "arms": {k: list(v) for k, v in arms.items()}, "prompts": str(path)})
+    if plot:
+        _plot(plot, "sparkq bench-serve: aggregate decode", {
+            f"{c} streams (tok/s)": {n: r["summary"][n][c]["agg_tok_s"] for n in arms} for c in levels}, "tok/s")
+    if as_json:
+        typer.echo(json.dumps(r, indent=1))
+        return
+    typer.echo(R.format_bench_serve(r))
 
 
 @app.command()

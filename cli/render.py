@@ -121,6 +121,24 @@ def format_bench(r: dict) -> str:
     return "\n".join(lines)
 
 
+def format_bench_serve(r: dict) -> str:
+    st = r["settings"]
+    arms = list(r["summary"])
+    lines = [f"sparkq bench-serve: {st['passes']} interleaved passes, medians [min..max]; {st['max_tokens']} new tokens "
+             f"per request, {st['per_client']} requests per client per level", "",
+             "  | arm | streams | aggregate tok/s | vs 1 stream | vs " + arms[0] + " | TTFT p50 / p95 s | ITL p50 / p95 ms | errors |",
+             "  |---|---|---|---|---|---|---|---|"]
+    for n in arms:
+        one = r["summary"][n].get(min(r["summary"][n]))["agg_tok_s"]
+        for c, m in r["summary"][n].items():
+            base = r["summary"][arms[0]][c]["agg_tok_s"]
+            lo, hi = m["agg_tok_s_range"]
+            lines.append(f"  | {n} | {c} | {m['agg_tok_s']:.1f} [{lo:.1f}..{hi:.1f}] | {m['agg_tok_s'] / one:.2f}x "
+                         f"| {m['agg_tok_s'] / base:.2f}x | {m['ttft_p50_s']:.2f} / {m['ttft_p95_s']:.2f} "
+                         f"| {m['itl_p50_ms']:.0f} / {m['itl_p95_ms']:.0f} | {m['errors']} |")
+    return "\n".join(lines)
+
+
 def plot(path: str, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> None:
     """A grouped bar chart as PNG (matplotlib, optional: `pip install matplotlib`)."""
     try:

@@ -72,16 +72,22 @@ def _clinear(name: str, li, t: dict) -> core.CLinear:
 
 
 class LiteModel(Generator):
-    def __init__(self, art: Artifact, path, *, max_model_len: int, kv_budget_mib: float, threads: int, lib, hub: dict):
+    def __init__(self, art: Artifact, path, *, max_model_len: int, kv_budget_mib: float, threads: int, lib, hub: dict,
+                 slots: int = 1):
         t0 = time.perf_counter()
         spec = self.spec = art.spec
         self.art, self.lib = art, lib
         self.tensors = t = art.map_numpy()
         self.max_model_len = max_model_len
-        cap = kv_capacity(spec, max_model_len, kv_budget_mib)
-        self.k = np.empty((spec.layers, spec.kv_heads, cap, spec.head_dim), np.uint16)  # bf16 bits; pages
-        self.v = np.empty_like(self.k)  # are touched only as tokens are written
-        self.cap = cap
+        if slots < 1:
+            raise RuntimeUserError(f"the KV cache needs at least one sequence slot, got {slots}")
+        # fixed slots: the budget split evenly, each slot a whole sequence's cache (serving.py)
+        cap = kv_capacity(spec, max_model_len, kv_budget_mib / slots)
+        # bf16 bits [layers, slots, kv_heads, cap, head_dim]; pages are touched only as tokens are written
+        self.k = np.empty((spec.layers, slots, spec.kv_heads, cap, spec.head_dim), np.uint16)
+        self.v = np.empty_like(self.k)
+        self.cap, self.slots = cap, slots
+        self.slot_elems = spec.kv_heads * cap * spec.head_dim  # the element offset between slots
         ropes = {}  # (theta, rotary dim) -> (cos, sin) bf16 bits [max_model_len, rot], one per distinct pair
         per_layer = []
         for i in range(spec.layers):
@@ -136,8 +142,9 @@ class LiteModel(Generator):
 
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
-         threads: int | None = None, verify: bool = False) -> LiteModel:
-    """A rows32 artifact (local dir or Hub repo id) on the torch-free runtime (see module doc)."""
+         threads: int | None = None, verify: bool = False, slots: int = 1) -> LiteModel:
+    """A rows32 artifact (local dir or Hub repo id) on the torch-free runtime (see module doc);
+    ``slots``: sequences the KV cache holds at once (the budget split evenly; serving.py)."""
     t0 = time.perf_counter()
     fix_malloc_mmap_threshold()
     path, hub = resolve(str(path_or_repo_id), layouts=[ROWS32])
@@ -161,6 +168,6 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, art.spec.max_position)
     m = LiteModel(art, path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib,
-                  threads=int(threads) if threads else physical_cores(), lib=lib, hub=hub)
+                  threads=int(threads) if threads else physical_cores(), lib=lib, hub=hub, slots=slots)
     m.info.load_seconds = time.perf_counter() - t0
     return m

@@ -21,6 +21,7 @@ class ChatTokenizer:
     def __init__(self, tok, tcfg: dict, gen: dict, config: dict, chat_template: str | None):
         self.tok = tok
         self.tcfg = tcfg
+        self.generation_config = gen
         self.chat_template = chat_template
         self.add_bos = tcfg.get("add_bos_token") is True
         self.bos_token = self._tok_str(tcfg.get("bos_token"))

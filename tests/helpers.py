@@ -64,6 +64,18 @@ def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=
     return out
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_chat_llama(out: Path, **kw) -> Path:
+    """make_llama with a ChatML-style chat template in tokenizer_config.json (chat, serve)"""
+    src = make_llama(out, **kw)
+    cfg = src / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": CHATML}))
+    return src
+
+
 def run_py(code: str, env: dict | None = None, timeout=600) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})

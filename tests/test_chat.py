@@ -2,7 +2,6 @@
 a turn prefills only its new tokens, a stopped answer keeps what it said, and the terminal program
 survives Ctrl-C (driven in a pseudo-terminal)."""
 import contextlib
-import json
 import os
 import pty
 import select
@@ -15,19 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import make_llama
+from helpers import make_chat_llama
 from sparkq.convert.pipeline import Options, convert
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
 
 @pytest.fixture(scope="module")
 def chat_art(tmp_path_factory):
     d = tmp_path_factory.mktemp("chat")
-    src = make_llama(d / "m", layers=2, seed=3)
-    cfg = src / "tokenizer_config.json"
-    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": CHATML}))
+    src = make_chat_llama(d / "m", layers=2, seed=3)
     out = d / "art"
     convert(str(src), str(out), Options(progress=False, method="minmax"))
     return out

@@ -12,7 +12,7 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 8
+ABI = 9
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -49,6 +49,11 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_step": (ctypes.c_int, [_PTR(SqModel), _P, _I, _I, _P, _P]),
     "sq_head": (ctypes.c_int, [_PTR(SqModel), _P, _P, _P]),
     "sq_prefill": (ctypes.c_int, [_PTR(SqModel), _P, _I, _I, _I, _P, _I]),
+    "sq_prefill_at": (ctypes.c_int, [_PTR(SqModel), _I, _P, _I, _I, _I, _P, _I]),
+    "sq_batch_new": (_P, [_PTR(SqModel), _I]),
+    "sq_batch_free": (None, [_P]),
+    "sq_step_many": (ctypes.c_int, [_PTR(SqModel), _P, _P, _I, _P, _P, _P, _P]),
+    "sq_head_many": (ctypes.c_int, [_PTR(SqModel), _P, _I, _P, _P]),
     "sq_linear_f32": (ctypes.c_int, [_PTR(SqLinear), _P, _P]),
     "sq_linear_batch": (ctypes.c_int, [_PTR(SqLinear), _P, _I, _I, _P, _P]),
     "sq_dequant_rows": (ctypes.c_int, [_PTR(SqLinear), _I, _I, _P]),

@@ -104,6 +104,7 @@ class Session:
         m.final_norm = ptr(vectors["norm.weight"])
         self.vocab, self.embed_rows = head.n, m.embed.n
         lib.sq_set_threads(self.threads)
+        self.batch, self.batch_rows = None, 0  # step_many's workspace (reserve_batch)
         self.work = lib.sq_work_new(ctypes.byref(m))
         if not self.work:
             raise MemoryError("sq_work_new: out of memory")
@@ -114,6 +115,9 @@ class Session:
         if getattr(self, "work", None):
             self.lib.sq_work_free(self.work)
             self.work = None
+        if getattr(self, "batch", None):
+            self.lib.sq_batch_free(self.batch)
+            self.batch = None
 
     def _softcap(self, logits: np.ndarray) -> np.ndarray:
         c = self.spec.final_softcap
@@ -156,6 +160,68 @@ class Session:
         out = self.logits if out is None else out
         self.lib.sq_set_threads(self.threads)
         self.lib.sq_head(ctypes.byref(self.m), self.work, xn.ctypes.data, ptr(out))
+        return self._softcap(out)
+
+    # -- continuous batching (csrc/batch.c): sequences in KV slots of one cache --
+
+    def prefill_at(self, kvoff: int, ids, pos0: int = 0, chunk: int | None = None) -> np.ndarray:
+        """``prefill`` of ``ids`` into the KV slot at element offset ``kvoff``: the final-normed
+        hidden state fp32 [1, hidden] of the last token."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise RuntimeUserError("empty prompt: give at least one token of text")
+        check_ids((int(ids.min()), int(ids.max())), self.embed_rows)
+        out = np.empty((1, self.spec.hidden), np.float32)
+        self.lib.sq_set_threads(self.threads)
+        rc = self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), ids.ctypes.data, ids.size, int(pos0),
+                                    int(chunk or self.prefill_chunk), out.ctypes.data, 0)
+        if rc == -2:
+            raise RuntimeUserError(f"positions {pos0}..{pos0 + ids.size - 1} are beyond the KV cache ({self.cap} tokens)")
+        if rc:
+            raise MemoryError("sq_prefill could not allocate its activation buffers")
+        return out
+
+    def reserve_batch(self, rows: int) -> None:
+        """step_many's buffers for ``rows`` sequences, allocated once and kept"""
+        if rows <= self.batch_rows:
+            return
+        if self.batch:
+            self.lib.sq_batch_free(self.batch)
+        self.batch, self.batch_rows = self.lib.sq_batch_new(ctypes.byref(self.m), int(rows)), int(rows)
+        if not self.batch:
+            self.batch_rows = 0
+            raise MemoryError("sq_batch_new: out of memory")
+
+    def step_many(self, tokens, positions, kvoffs) -> np.ndarray:
+        """One decode token per sequence (token, position, KV slot offset each) through every
+        layer and the head, each weight read once: logits fp32 [M, vocab], each row the bits
+        ``step`` gives that sequence alone."""
+        tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
+        off = np.ascontiguousarray(kvoffs, dtype=np.int64).reshape(-1)
+        if not tok.size == pos.size == off.size:
+            raise ValueError("step_many: one position and one KV slot per token")
+        if tok.size:
+            check_ids((int(tok.min()), int(tok.max())), self.embed_rows)
+        self.reserve_batch(tok.size)
+        out = np.empty((tok.size, self.vocab), np.float32)
+        self.lib.sq_set_threads(self.threads)
+        rc = self.lib.sq_step_many(ctypes.byref(self.m), self.work, self.batch, tok.size, tok.ctypes.data,
+                                   pos.ctypes.data, off.ctypes.data, out.ctypes.data)
+        if rc == -2:
+            raise RuntimeUserError(f"a position of {pos.tolist()} is beyond the KV cache ({self.cap} tokens)")
+        if rc:
+            raise MemoryError("sq_step_many could not allocate its activation buffers")
+        return self._softcap(out)
+
+    def head_many(self, xn) -> np.ndarray:
+        """Logits fp32 [M, vocab] of final-normed hidden states [M, hidden], each row the same
+        bits whatever the other rows are."""
+        xn = np.ascontiguousarray(xn, dtype=np.float32).reshape(-1, self.spec.hidden)
+        out = np.empty((xn.shape[0], self.vocab), np.float32)
+        self.lib.sq_set_threads(self.threads)
+        if self.lib.sq_head_many(ctypes.byref(self.m), self.work, xn.shape[0], xn.ctypes.data, out.ctypes.data):
+            raise MemoryError("sq_head_many could not allocate its activation buffers")
         return self._softcap(out)
 
     def prompt(self, ids, pos0: int = 0, out: np.ndarray | None = None) -> np.ndarray:

@@ -37,47 +37,57 @@ static inline __attribute__((always_inline)) void attention_head512(const float 
 }
 #endif
 
+/* One query head q over keys [start, end) of one KV head's cache rows K, V (bf16 [*, D]):
+ * o (fp32 [D]) = softmax(scale q.K) V, sc: scratch for the scores (indexed by position) */
+static void attend_head(const sq_model *m, const float *q, const uint16_t *K, const uint16_t *V, int64_t start,
+                        int64_t end, float *sc, float *o) {
+    const int64_t D = m->head_dim;
+    const float scale = (float)m->attn_scale;
+#ifdef SQ_AVX512
+    if (D == 64 || D == 128 || D == 256) { /* registers for the query and the output */
+        if (D == 64) attention_head512(q, K, V, start, end, scale, sc, o, 4);
+        else if (D == 128) attention_head512(q, K, V, start, end, scale, sc, o, 8);
+        else attention_head512(q, K, V, start, end, scale, sc, o, 16);
+        return;
+    }
+#endif
+    float mx = -INFINITY;
+    for (int64_t t = start; t < end; t++) {
+        const float d = dot_bf16(K + t * D, q, D) * scale;
+        sc[t] = d;
+        mx = d > mx ? d : mx;
+    }
+    float sum = 0.f;
+    for (int64_t t = start; t < end; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+    float inv = 1.f / sum;
+    for (int64_t j = 0; j < D; j++) o[j] = 0.f;
+    for (int64_t t = start; t < end; t++) {
+        const uint16_t *vr = V + t * D;
+        float p = sc[t] * inv;
+        int64_t j = 0;
+#ifdef SQ_AVX2
+        __m256 pv = _mm256_set1_ps(p);
+        for (; j + 8 <= D; j += 8) {
+            __m256i vi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vr + j))), 16);
+            _mm256_storeu_ps(o + j, _mm256_fmadd_ps(_mm256_castsi256_ps(vi), pv, _mm256_loadu_ps(o + j)));
+        }
+#endif
+        for (; j < D; j++) o[j] += p * bf(vr[j]);
+    }
+}
+
+/* keys [start, end) a query at pos sees in layer L: the sliding window's, else all of [0, pos] */
+static inline int64_t window_start(const sq_layer *L, int64_t pos) {
+    return L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
+}
+
 static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t pos) {
     const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim, cap = m->cap, grp = H / KV;
-    int64_t end = pos + 1, start = L->window > 0 && end > L->window ? end - L->window : 0;
-    const float scale = (float)m->attn_scale;
+    const int64_t end = pos + 1, start = window_start(L, pos);
 #pragma omp for schedule(static)
-    for (int64_t h = 0; h < H; h++) {
-        const float *q = w->qkv + h * D;
-        const uint16_t *K = L->kcache + (h / grp) * cap * D, *V = L->vcache + (h / grp) * cap * D;
-#ifdef SQ_AVX512
-        if (D == 64 || D == 128 || D == 256) { /* registers for the query and the output */
-            float *sc = w->scores + h * cap, *o = w->att + h * D;
-            if (D == 64) attention_head512(q, K, V, start, end, scale, sc, o, 4);
-            else if (D == 128) attention_head512(q, K, V, start, end, scale, sc, o, 8);
-            else attention_head512(q, K, V, start, end, scale, sc, o, 16);
-            continue;
-        }
-#endif
-        float *sc = w->scores + h * cap, mx = -INFINITY;
-        for (int64_t t = start; t < end; t++) {
-            const float d = dot_bf16(K + t * D, q, D) * scale;
-            sc[t] = d;
-            mx = d > mx ? d : mx;
-        }
-        float sum = 0.f;
-        for (int64_t t = start; t < end; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-        float inv = 1.f / sum, *o = w->att + h * D;
-        for (int64_t j = 0; j < D; j++) o[j] = 0.f;
-        for (int64_t t = start; t < end; t++) {
-            const uint16_t *vr = V + t * D;
-            float p = sc[t] * inv;
-            int64_t j = 0;
-#ifdef SQ_AVX2
-            __m256 pv = _mm256_set1_ps(p);
-            for (; j + 8 <= D; j += 8) {
-                __m256i vi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vr + j))), 16);
-                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(_mm256_castsi256_ps(vi), pv, _mm256_loadu_ps(o + j)));
-            }
-#endif
-            for (; j < D; j++) o[j] += p * bf(vr[j]);
-        }
-    }
+    for (int64_t h = 0; h < H; h++)
+        attend_head(m, w->qkv + h * D, L->kcache + (h / grp) * cap * D, L->vcache + (h / grp) * cap * D, start, end,
+                    w->scores + h * cap, w->att + h * D);
 }
 
 /* -- a chunk of prompt tokens -- */

@@ -95,6 +95,87 @@ static inline __attribute__((always_inline)) void rows_x4_a8pair_avx2(const sq_l
     for (int64_t n = r0; n < r1; n++) row_x4_a8pair_avx2(L, a, y, n, ahead, LUT);
 }
 
+/* T tokens (1..4) of one row, for the batched decode step (batch.c): each step's weight operands
+ * unpacked once (wstep_avx2) for all T, each token's arithmetic exactly row_x4_a8pair_avx2's, so a
+ * token's result is the single-token product's, bit for bit, whatever T and its company. (The
+ * zero terms as one vector FMA per group instead of the scalar chain: the same speed, measured,
+ * and it would part the decode products' bits from the prompt GEMM's.) */
+static inline __attribute__((always_inline)) void row_x4_a8pair_many_avx2(const sq_linear *L, const sq_act *a, float *y,
+                                                                          int64_t ldy, int64_t n, int64_t ahead,
+                                                                          const int T, const int LUT) {
+    const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G, rb = K / 2;
+    const __m256i tab = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n)))
+                            : _mm256_setzero_si256();
+    __m256 acc[4];
+    float zt[4];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), zt[t] = 0.f;
+    const uint8_t *w = L->q + n * rb;
+    if (G == 32) {
+        for (int64_t p = 0; p < K / 64; p++) {
+            _mm_prefetch((const char *)(w + ahead * rb + 32 * p), _MM_HINT_T0);
+            __m256i lo, hi, tl = tab, th = tab;
+            wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
+            const uint16_t *p0 = L->sz + 2 * (2 * p * N + n), *p1 = L->sz + 2 * ((2 * p + 1) * N + n);
+            const float s0 = bf(p0[0]), z0 = bf(p0[1]), s1 = bf(p1[0]), z1 = bf(p1[1]);
+            const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+            for (int t = 0; t < T; t++) {
+                const sq_act *x = a + t;
+                const __m256i d = xstep_avx2(x->q, p, lo, hi, tl, th, LUT);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(x->s8 + 8 * p)), sv, acc[t]);
+                zt[t] += LUT ? z0 * x->gsum[2 * p] + z1 * x->gsum[2 * p + 1]
+                             : z0 * x->gsum[2 * p] - 8.f * s0 * x->gqsum[2 * p] + z1 * x->gsum[2 * p + 1] -
+                                   8.f * s1 * x->gqsum[2 * p + 1];
+            }
+        }
+        for (int t = 0; t < T; t++) y[t * ldy + n] = hsum8(acc[t]) + zt[t];
+        return;
+    }
+    for (int64_t gi = 0; gi < ngroups; gi++) {
+        __m256 gacc[4];
+        for (int t = 0; t < T; t++) gacc[t] = _mm256_setzero_ps();
+        for (int64_t pp = 0; pp < ppg; pp++) {
+            const int64_t p = gi * ppg + pp;
+            _mm_prefetch((const char *)(w + ahead * rb + 32 * p), _MM_HINT_T0);
+            __m256i lo, hi, tl = tab, th = tab;
+            wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
+            for (int t = 0; t < T; t++)
+                gacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(xstep_avx2(a[t].q, p, lo, hi, tl, th, LUT)),
+                                          _mm256_loadu_ps(a[t].s8 + 8 * p), gacc[t]);
+        }
+        const uint16_t *p = L->sz + 2 * (gi * N + n);
+        const float s = bf(p[0]), z = bf(p[1]);
+        for (int t = 0; t < T; t++) {
+            acc[t] = _mm256_fmadd_ps(gacc[t], _mm256_set1_ps(s), acc[t]);
+            zt[t] += LUT ? z * a[t].gsum[gi] : z * a[t].gsum[gi] - 8.f * s * a[t].gqsum[gi];
+        }
+    }
+    for (int t = 0; t < T; t++) y[t * ldy + n] = hsum8(acc[t]) + zt[t];
+}
+
+/* rows [r0, r1) for M tokens (outputs y + t * ldy), four tokens per pass over a row */
+static void gemv_4bit_a8pair_many_avx2(const sq_linear *L, const sq_act *a, int64_t M, float *y, int64_t ldy,
+                                       int64_t r0, int64_t r1) {
+    const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, ahead = rows_ahead(rb, 1024);
+    const int lut = L->kind == KIND_LUT4;
+    for (int64_t gi = 0; gi < ng && r0 + 32 < N; gi++)
+        _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 32)), _MM_HINT_T0);
+    for (int64_t n = r0; n < r1; n++)
+        for (int64_t t0 = 0; t0 < M; t0 += 4) {
+            const sq_act *x = a + t0;
+            float *yt = y + t0 * ldy;
+            switch ((M - t0 < 4 ? M - t0 : 4) * 2 + lut) {
+            case 2: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 1, 0); break;
+            case 3: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 1, 1); break;
+            case 4: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 2, 0); break;
+            case 5: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 2, 1); break;
+            case 6: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 3, 0); break;
+            case 7: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 3, 1); break;
+            case 8: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 4, 0); break;
+            default: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 4, 1); break;
+            }
+        }
+}
+
 static void gemv_q4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     rows_x4_a8pair_avx2(L, a, y, r0, r1, 0);
 }

@@ -94,7 +94,30 @@ static int claim(sq_slot *s, uint64_t ep, uint64_t lo0, uint64_t hi0, int back, 
     }
 }
 
-static void products(const sq_linear *L, const sq_act *a, float *y) {
+/* rows [r0, r1) of Y[t] = L x_t (+ bias) for M tokens (Y + t * ldy): the batched decode step's
+ * products (batch.c). Each token's result is the single-token product's (rows()), bit for bit:
+ * AVX2 int4/lut4 share each row's unpacked codes between four tokens; the other kinds and builds
+ * run rows() per token on the row chunk, still in cache from the previous token. */
+static void rows_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, int64_t ldy, int64_t r0, int64_t r1) {
+    if (M == 1) { /* the decode step's products */
+        rows(L, a, Y, r0, r1);
+        return;
+    }
+#if defined(SQ_AVX2) && !defined(SQ_EXACT)
+    if (is_q4(L) && a[0].paired == 1) {
+        gemv_4bit_a8pair_many_avx2(L, a, M, Y, ldy, r0, r1);
+        if (L->bias)
+            for (int64_t t = 0; t < M; t++)
+                for (int64_t n = r0; n < r1; n++) Y[t * ldy + n] += bf(L->bias[n]);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < M; t++) rows(L, a + t, Y + t * ldy, r0, r1);
+}
+
+/* Y[t] = L x_t for M tokens (Y + t * ldy), entered by every thread of the parallel region, ending
+ * in a barrier; a[0] carries the schedule's epoch and slots */
+static void products_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, int64_t ldy) {
     const int64_t N = L->n, chunks = (N + 15) / 16;
 #ifdef _OPENMP
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -103,7 +126,7 @@ static void products(const sq_linear *L, const sq_act *a, float *y) {
 #endif
     if (nt == 1 || nt > SQ_MAXT) {
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) rows(L, a, y, c * 16, c * 16 + 16 < N ? c * 16 + 16 : N);
+        for (int64_t c = 0; c < chunks; c++) rows_many(L, a, M, Y, ldy, c * 16, c * 16 + 16 < N ? c * 16 + 16 : N);
         return;
     }
     /* blocks of >= 16 KiB of weights (one compare-and-swap per ~1 us of streaming) */
@@ -112,15 +135,18 @@ static void products(const sq_linear *L, const sq_act *a, float *y) {
     if (per < 1) per = 1;
     if ((chunks + per - 1) / per > 0xffff) per = (chunks + 0xfffe) / 0xffff; /* 16-bit block indices */
     const int64_t nb = (chunks + per - 1) / per, rpb = 16 * per;
-    const uint64_t ep = a->epoch;
+    const uint64_t ep = a[0].epoch;
     int64_t b, q;
     for (int i = 0; i < nt; i++) {
         const int v = (t + i) % nt;
-        while (claim(&a->slot[v], ep, (uint64_t)(nb * v / nt), (uint64_t)(nb * (v + 1) / nt), i > 0, &b, &q))
-            rows(L, a, y, b * rpb, (b + q) * rpb < N ? (b + q) * rpb : N);
+        while (claim(&a[0].slot[v], ep, (uint64_t)(nb * v / nt), (uint64_t)(nb * (v + 1) / nt), i > 0, &b, &q))
+            rows_many(L, a, M, Y, ldy, b * rpb, (b + q) * rpb < N ? (b + q) * rpb : N);
     }
 #pragma omp barrier
 }
+
+/* one token's products (the decode step) */
+static void products(const sq_linear *L, const sq_act *a, float *y) { products_many(L, a, 1, y, L->n); }
 
 /* y = L x (+ bias), from outside a parallel region */
 static void linear(const sq_linear *L, const float *x, sq_act *a, float *y) {

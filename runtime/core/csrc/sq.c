@@ -25,7 +25,7 @@
  * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products), pointwise.c (norms, RoPE,
  * activations, embedding rows), attention.c (decode and prompt attention), head.c (top-k
  * selection and exact refinement of the head's logits), step.c (workspace, sq_step, sq_head),
- * prefill.c (sq_prefill), gptq.c (the converter's GPTQ inner loop). Naming: <op>_<weight>_<activation>[_<isa>], e.g. gemv_q4_a8quad_avx512. */
+ * prefill.c (sq_prefill), batch.c (continuous batching: sq_step_many, sq_head_many, sq_prefill_at), gptq.c (the converter's GPTQ inner loop). Naming: <op>_<weight>_<activation>[_<isa>], e.g. gemv_q4_a8quad_avx512. */
 #include <stddef.h>
 #include <stdio.h>
 
@@ -46,6 +46,7 @@
 #include "head.c"
 #include "step.c"
 #include "prefill.c"
+#include "batch.c"
 #include "gptq.c"
 
 int sq_abi(void) { return SQ_ABI; }

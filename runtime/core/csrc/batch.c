@@ -1,0 +1,190 @@
+/* Continuous batching: the decode tokens of M sequences through every layer in one pass over
+ * the weights (sq_step_many), the head of M hidden states (sq_head_many), and a prompt into one
+ * sequence's KV slot (sq_prefill_at). A slot is an element offset (kvoff) into every layer's
+ * cache: slot s of a cache laid out [slots, kv_heads, cap, head_dim] starts at
+ * s * kv_heads * cap * head_dim. The products are the decode products for M tokens
+ * (gemv_dispatch.c products_many), each token's result the single-token product's bit for bit, so
+ * a sequence decodes to the same bits alone, beside others, or through sq_step (batch invariance). */
+
+/* M activation vectors for the products (sq_act_alloc each); NULL when out of memory */
+static sq_act *acts_new(int64_t M, int64_t maxk) {
+    sq_act *a = calloc(M, sizeof(sq_act));
+    int ok = a != NULL;
+    for (int64_t t = 0; ok && t < M; t++) ok = sq_act_alloc(&a[t], maxk);
+    if (!ok && a) {
+        for (int64_t t = 0; t < M; t++) sq_act_free(&a[t]);
+        free(a);
+        a = NULL;
+    }
+    return a;
+}
+
+static void acts_free(sq_act *a, int64_t M) {
+    if (!a) return;
+    for (int64_t t = 0; t < M; t++) sq_act_free(&a[t]);
+    free(a);
+}
+
+/* (inside a parallel region, every thread) logits [M, V] of the final-normed rows xn + t * ldx:
+ * the head products, then each row's top logits recomputed exactly, as sq_step's tail does */
+static void head_rows(const sq_model *m, sq_work *w, sq_act *a, int64_t M, const float *xn, int64_t ldx,
+                      float *logits) {
+    const int64_t V = m->head.n;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++) prep(&m->head, xn + t * ldx, &a[t]);
+    products_many(&m->head, a, M, logits, V);
+    if (m->head.res) {
+        for (int64_t t = 0; t < M; t++) { /* the selection uses the workspace: one row at a time */
+#pragma omp single
+            split_select(&m->head, w, xn + t * ldx, logits + t * V, m->refine_top);
+            split_rows(&m->head, w, xn + t * ldx, logits + t * V);
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < M; t++) refine_top(&m->head, xn + t * ldx, logits + t * V, m->refine_top);
+    }
+}
+
+/* The batched step's buffers for up to `rows` sequences, allocated once (sq_batch_new): fresh
+ * buffers per step were trimmed back to the kernel on free and zero-filled again on the next
+ * step's first touch (13% of the example's 4-sequence step under perf) */
+typedef struct {
+    int64_t rows;
+    float *x, *xn, *qkv, *att, *h, *gu, *mid, *sc;
+    sq_act *a;
+} sq_batch;
+
+void sq_batch_free(void *p) {
+    sq_batch *b = p;
+    if (!b) return;
+    free(b->x); free(b->xn); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc);
+    acts_free(b->a, b->rows);
+    free(b);
+}
+
+/* NULL when out of memory */
+void *sq_batch_new(const sq_model *m, int64_t rows) {
+    if (rows < 1) return NULL;
+    sq_batch *b = calloc(1, sizeof(sq_batch));
+    if (!b) return NULL;
+    const int64_t M = rows, E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd);
+    b->rows = M;
+    b->x = malloc(sizeof(float) * M * E), b->xn = malloc(sizeof(float) * M * maxk);
+    b->qkv = malloc(sizeof(float) * M * nqkv), b->att = malloc(sizeof(float) * M * qd);
+    b->h = malloc(sizeof(float) * M * E), b->gu = malloc(sizeof(float) * M * 2 * I);
+    b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * M * H * m->cap);
+    b->a = acts_new(M, maxk);
+    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->a)) {
+        sq_batch_free(b);
+        return NULL;
+    }
+    return b;
+}
+
+/* Token tok[t] of sequence t at position pos[t] of the KV slot at kvoff[t], for t < M (the
+ * slots distinct), through every layer and the head: logits fp32 [M, vocab] (a final softcap,
+ * if any, is the caller's). sq_step's arithmetic for every row: one parallel region, the decode
+ * products for M tokens (products_many: each weight read once per step), attention over each
+ * sequence's own slot; batch: an sq_batch_new workspace of >= M rows. Returns 0, -2 a position
+ * beyond the cache, -3 no workspace for M rows. */
+int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const int64_t *tok, const int64_t *pos,
+                 const int64_t *kvoff, float *logits) {
+    sq_work *w = work;
+    sq_batch *b = batch;
+    for (int64_t t = 0; t < M; t++)
+        if (pos[t] < 0 || pos[t] >= m->cap) return -2;
+    if (M <= 0) return 0;
+    if (!b || M > b->rows) return -3;
+    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter, cap = m->cap;
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd), grp = H / KV;
+    const int off = (int)m->norm_offset;
+    float *x = b->x, *xn = b->xn, *qkv = b->qkv, *att = b->att, *h = b->h, *gu = b->gu, *mid = b->mid, *sc = b->sc;
+    sq_act *a = b->a;
+    {
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M; t++) {
+                embed_row(&m->embed, tok[t], x + t * E);
+                if (m->embed_mult != 0.0)
+                    for (int64_t i = 0; i < E; i++) x[t * E + i] = bf(to_bf(x[t * E + i] * (float)m->embed_mult));
+            }
+            for (int64_t li = 0; li < m->layers; li++) {
+                const sq_layer *L = &m->layer[li];
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) {
+                    rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * maxk);
+                    prep(&L->qkv, xn + t * maxk, &a[t]);
+                }
+                products_many(&L->qkv, a, M, qkv, nqkv);
+#pragma omp for schedule(static)
+                for (int64_t it = 0; it < M * (H + KV); it++) {
+                    const int64_t t = it / (H + KV);
+                    sq_layer Ls = *L; /* this sequence's slot */
+                    Ls.kcache += kvoff[t];
+                    Ls.vcache += kvoff[t];
+                    qk_rope_head(m, &Ls, qkv + t * nqkv, pos[t], it % (H + KV));
+                }
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < M * H; it++) {
+                    const int64_t t = it / H, hh = it % H, g = hh / grp;
+                    attend_head(m, qkv + t * nqkv + hh * D, L->kcache + kvoff[t] + g * cap * D,
+                                L->vcache + kvoff[t] + g * cap * D, window_start(L, pos[t]), pos[t] + 1, sc + it * cap,
+                                att + t * qd + hh * D);
+                }
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) prep(&L->o, att + t * qd, &a[t]);
+                products_many(&L->o, a, M, h, E);
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) {
+                    add_residual(m, L->post_attn_norm, h + t * E, x + t * E);
+                    rms_norm(x + t * E, L->mlp_norm, E, m->eps, off, xn + t * maxk);
+                    prep(&L->gate_up, xn + t * maxk, &a[t]);
+                }
+                products_many(&L->gate_up, a, M, gu, 2 * I);
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) {
+                    silu_mul(gu + t * 2 * I, I, (int)m->act, mid + t * I);
+                    prep(&L->down, mid + t * I, &a[t]);
+                }
+                products_many(&L->down, a, M, h, E);
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) add_residual(m, L->post_mlp_norm, h + t * E, x + t * E);
+            }
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M; t++) rms_norm(x + t * E, m->final_norm, E, m->eps, off, xn + t * maxk);
+            head_rows(m, w, a, M, xn, maxk, logits);
+        }
+    }
+    return 0;
+}
+
+/* Logits fp32 [M, vocab] of M final-normed hidden states xn [M, hidden] (sq_head for each row,
+ * the products shared). Returns 0, or -1 out of memory. */
+int sq_head_many(const sq_model *m, void *work, int64_t M, const float *xn, float *logits) {
+    if (M <= 0) return 0;
+    sq_act *a = acts_new(M, m->head.k);
+    if (!a) return -1;
+#pragma omp parallel
+    head_rows(m, work, a, M, xn, m->hidden, logits);
+    acts_free(a, M);
+    return 0;
+}
+
+/* sq_prefill into the KV slot at element offset kvoff of every layer's cache */
+int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk,
+                  float *out, int64_t all) {
+    sq_model at = *m;
+    sq_layer *ls = malloc(sizeof(sq_layer) * (m->layers > 0 ? m->layers : 1));
+    if (!ls) return -1;
+    for (int64_t li = 0; li < m->layers; li++) {
+        ls[li] = m->layer[li];
+        ls[li].kcache += kvoff;
+        ls[li].vcache += kvoff;
+    }
+    at.layer = ls;
+    const int rc = sq_prefill(&at, tokens, T, pos0, chunk, out, all);
+    free(ls);
+    return rc;
+}

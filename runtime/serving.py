@@ -1,0 +1,270 @@
+"""Continuous batching over one model (``sparkq serve``): requests in fixed KV slots, one decode
+step for every running sequence per pass over the weights.
+
+The KV budget is split into ``parallel`` fixed slots (lite.py: each slot a whole sequence's
+cache, budget / parallel bytes); a request takes a free slot or waits in a bounded queue. The
+engine thread loops: admit waiting requests into free slots; prefill one chunk of the oldest
+unfinished prompt (so a long prompt never stalls running streams for more than a chunk); one
+decode step for every sequence past its prompt (``Session.step_many``: the decode products for M =
+running sequences, each row at its own position and slot). A row's logits are the bits the
+single-sequence decode step gives, and a prompt is always cut into the same slices, so a
+request's tokens do not depend on what else runs (batch invariance, tested).
+
+Results leave through each request's ``emit`` callback (called on the engine thread): text
+deltas (UTF-8 safe, held back while they could be the start of a stop string), then one final
+event with the finish reason (``stop``: a stop token or string; ``length``: max_tokens or the
+slot's end) and the token counts. ``cancel`` (a client that went away) frees the slot before the
+next step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import RuntimeUserError
+from .generate import sample
+
+# prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
+# 64-token slice is ~0.5 s, the longest a running stream waits for a newcomer's prompt
+PREFILL_SLICE = 64
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Request:
+    """One generation: prompt ids, limits and sampling; ``emit(event: dict)`` receives
+    {"delta": text} pieces and one {"finish": reason, "prompt_tokens", "completion_tokens"}."""
+    ids: list[int]
+    max_tokens: int
+    emit: object
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # run to max_tokens through stop tokens (benchmarks)
+    # engine state
+    cancelled: bool = False
+    done: bool = False
+    slot: int = -1
+    filled: int = 0  # prompt tokens in the cache
+    new: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the decoded text already emitted
+    rng: object = None
+    t_submit: float = 0.0
+    t_first: float = 0.0
+
+
+class Engine:
+    """Continuous batching over a LiteModel loaded with ``slots = parallel``."""
+
+    def __init__(self, model, *, max_queue: int = 64, prefill_slice: int = PREFILL_SLICE):
+        self.model, self.session, self.tok = model, model.session, model.tokenizer
+        self.parallel = model.slots
+        self.slot_cap = min(model.cap, model.max_model_len)  # positions per sequence
+        self.max_queue, self.prefill_slice = max_queue, int(prefill_slice)
+        self.stop_ids = set(self.tok.stop_ids) if self.tok else set()
+        self.session.reserve_batch(self.parallel)
+        self.free = list(range(self.parallel))[::-1]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in a slot: prefilling (filled < len(ids)) or decoding
+        self.cv = threading.Condition()
+        self.closed = False
+        self.error: BaseException | None = None
+        self.stats = {"steps": 0, "max_batch": 0, "decoded": 0, "prefilled": 0, "completed": 0, "cancelled": 0}
+        self.thread = threading.Thread(target=self._loop, name="sparkq-engine", daemon=True)
+        self.thread.start()
+
+    # -- the caller's side (any thread) --
+
+    def check(self, n_prompt: int, max_tokens: int | None) -> int:
+        """The max_tokens a request of n_prompt tokens gets (None: up to the slot's end); raises
+        RuntimeUserError naming the limit when it cannot fit."""
+        if n_prompt < 1:
+            raise RuntimeUserError("empty prompt: give at least one token of text")
+        if n_prompt >= self.slot_cap:
+            raise RuntimeUserError(f"the prompt is {n_prompt} tokens; this server's context is {self.slot_cap} tokens "
+                                   "per sequence (prompt + completion): shorten it, or restart with a larger "
+                                   "--kv-budget-mib or a smaller --parallel")
+        room = self.slot_cap - n_prompt
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise RuntimeUserError(f"the prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceed this server's "
+                                   f"context of {self.slot_cap} tokens per sequence; lower max_tokens to at most {room}")
+        return max_tokens
+
+    def submit(self, req: Request) -> Request:
+        req.max_tokens = self.check(len(req.ids), req.max_tokens)
+        req.rng = np.random.default_rng(req.seed)
+        req.t_submit = time.perf_counter()
+        with self.cv:
+            if self.closed:
+                raise QueueFull("the server is shutting down")
+            if self.error is not None:
+                raise RuntimeError(f"the engine stopped: {self.error}")
+            if len(self.waiting) >= self.max_queue and not self.free:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting for one of {self.parallel} slots")
+            self.waiting.append(req)
+            self.cv.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        with self.cv:
+            req.cancelled = True
+            self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join(timeout=30)
+
+    def load(self) -> dict:
+        with self.cv:
+            return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.parallel,
+                    "slot_tokens": self.slot_cap, **self.stats}
+
+    # -- the engine thread --
+
+    def _finish(self, r: Request, reason: str) -> None:
+        """(under the lock) the request leaves its slot; the final event goes out"""
+        if r.done:
+            return
+        r.done = True
+        if r in self.running:
+            self.running.remove(r)
+        if r.slot >= 0:
+            self.free.append(r.slot)
+            r.slot = -1
+        if reason == "cancelled":
+            self.stats["cancelled"] += 1
+            return
+        self.stats["completed"] += 1
+        r.emit({"finish": reason, "prompt_tokens": len(r.ids), "completion_tokens": len(r.new)})
+
+    def _admit(self) -> None:
+        for r in [r for r in self.running if r.cancelled]:
+            self._finish(r, "cancelled")
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            self.stats["cancelled"] += 1
+        while self.waiting and self.free:
+            r = self.waiting.popleft()
+            r.slot = self.free.pop()
+            self.running.append(r)
+
+    def _text(self, r: Request, last: bool = False) -> str | None:
+        """The new text of r to emit (None: r hit a stop string, finished here)."""
+        out = self.tok.decode([t for t in r.new if t not in self.stop_ids])
+        if r.stop:
+            hit = [i for i in (out.find(s, max(0, r.sent - len(s) + 1)) for s in r.stop) if i >= 0]
+            if hit:
+                cut = min(hit)
+                if cut > r.sent:
+                    r.emit({"delta": out[r.sent:cut]})
+                r.sent = cut
+                return None
+        if out.endswith("\ufffd") and not last:
+            return ""
+        end = len(out)
+        if r.stop and not last:  # hold back a tail that may begin a stop string
+            for s in r.stop:
+                for k in range(min(len(s) - 1, end - r.sent), 0, -1):
+                    if out.endswith(s[:k]):
+                        end = min(end, len(out) - k)
+                        break
+        piece = out[r.sent:end]
+        r.sent = max(r.sent, end)
+        return piece
+
+    def _accept(self, r: Request, token: int) -> None:
+        """(engine thread, under the lock) a sampled token of r: emit its text, finish r if done"""
+        r.new.append(token)
+        if not r.t_first:
+            r.t_first = time.perf_counter()
+        stop_tok = token in self.stop_ids and not r.ignore_eos
+        at_end = len(r.new) >= r.max_tokens or len(r.ids) + len(r.new) >= self.slot_cap
+        piece = self._text(r, last=stop_tok or at_end)
+        if piece is None:
+            return self._finish(r, "stop")
+        if piece:
+            r.emit({"delta": piece})
+        if stop_tok:
+            self._finish(r, "stop")
+        elif at_end:
+            self._finish(r, "length")
+
+    def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # the engine must not die silently: fail every request
+            with self.cv:
+                self.error = e
+                for r in list(self.running) + list(self.waiting):
+                    r.done = True
+                    r.emit({"error": f"the engine failed: {e.__class__.__name__}: {e}"})
+                self.running.clear()
+                self.waiting.clear()
+
+    def _run(self) -> None:
+        s = self.session
+        while True:
+            with self.cv:
+                self._admit()
+                while not self.running and not self.closed:
+                    self.cv.wait()
+                    self._admit()
+                if self.closed:
+                    return
+                pre = next((r for r in self.running if r.filled < len(r.ids)), None)
+                dec = [r for r in self.running if r.filled == len(r.ids) and r.new]
+            if pre is not None:  # one slice of the oldest unfinished prompt
+                a = pre.filled
+                b = min(len(pre.ids), a + self.prefill_slice)
+                xn = s.prefill_at(pre.slot * self.model.slot_elems, pre.ids[a:b], a, chunk=self.prefill_slice)
+                logits = s.head_many(xn) if b == len(pre.ids) else None
+                with self.cv:
+                    pre.filled = b
+                    self.stats["prefilled"] += b - a
+                    if logits is not None and not pre.cancelled:
+                        self._accept(pre, sample(logits[0], pre.temperature, pre.top_p, pre.rng))
+            if dec:
+                toks = [r.new[-1] for r in dec]
+                pos = [len(r.ids) + len(r.new) - 1 for r in dec]
+                offs = [r.slot * self.model.slot_elems for r in dec]
+                logits = s.step_many(toks, pos, offs)
+                with self.cv:
+                    self.stats["steps"] += 1
+                    self.stats["decoded"] += len(dec)
+                    self.stats["max_batch"] = max(self.stats["max_batch"], len(dec))
+                    for r, row in zip(dec, logits):
+                        if not r.cancelled and not r.done:
+                            self._accept(r, sample(row, r.temperature, r.top_p, r.rng))
+
+    # -- a blocking helper (tests, scripts) --
+
+    def generate(self, ids: list[int], max_tokens: int | None = None, **kw) -> dict:
+        """Run one request to its end: {"ids", "text", "finish"} (from any thread)."""
+        done = threading.Event()
+        out = {"text": "", "finish": None}
+
+        def emit(ev):
+            if "delta" in ev:
+                out["text"] += ev["delta"]
+            else:
+                out.update(ev)
+                done.set()
+
+        r = self.submit(Request(list(ids), max_tokens, emit, **kw))
+        done.wait()
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        out["ids"] = list(r.new)
+        return out

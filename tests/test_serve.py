@@ -1,0 +1,413 @@
+"""`sparkq serve` (runtime/server.py) over continuous batching (runtime/serving.py, csrc/batch.c):
+the batched decode step against single steps, batch invariance (a request's tokens alone = beside
+others), the OpenAI API through the real `openai` client and raw HTTP for malformed requests,
+disconnects freeing slots, and the CLI server under a mixed load (RSS, no torch)."""
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import kernel_builds, make_chat_llama, make_llama
+from sparkq.convert.pipeline import Options, convert
+
+@pytest.fixture(scope="module")
+def serve_art(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    src = make_chat_llama(d / "m", layers=2, seed=5)
+    (src / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 256}))
+    out = d / "art"
+    convert(str(src), str(out), Options(progress=False, method="minmax"))
+    return out
+
+
+def _lite(art, slots, **kw):
+    from sparkq.runtime.lite import load
+    return load(str(art), max_model_len=kw.pop("max_model_len", 256), kv_budget_mib=kw.pop("kv_budget_mib", 8),
+                threads=2, slots=slots, **kw)
+
+
+@pytest.fixture(scope="module")
+def variants(serve_art, tmp_path_factory):
+    """the same checkpoint with other products: lut4 g32 body + int8 head, int4 g64 + split head;
+    and a qwen2 checkpoint (a qkv bias)"""
+    src, d = serve_art.parent / "m", tmp_path_factory.mktemp("variants")
+    out = {"default": serve_art}
+    for name, o in {"lut4-g32-int8head": Options(progress=False, method="minmax", kind="lut4", group_size=32, head="int8"),
+                    "int4-g64-split": Options(progress=False, method="minmax", kind="int4", group_size=64, head="split")}.items():
+        convert(str(src), str(d / name), o)
+        out[name] = d / name
+    q2 = make_llama(d / "q2src", arch="qwen2", layers=2, seed=6)  # a qkv bias
+    convert(str(q2), str(d / "qwen2-bias"), Options(progress=False, method="minmax"))
+    out["qwen2-bias"] = d / "qwen2-bias"
+    return out
+
+
+PROMPTS = ["hello there", "the quick brown fox jumps over the lazy dog " * 2, "a", "0123456789" * 9, "zz top"]
+
+
+@pytest.mark.parametrize("variant", ["default", "lut4-g32-int8head", "int4-g64-split", "qwen2-bias"])
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, variant, kernel_build):
+    """The batched decode step's rows are the single-sequence step's logits exactly (the same
+    products per token, each sequence's attention over its own slot), alone, paired or reordered."""
+    serve_art = variants[variant]
+    batch, single = _lite(serve_art, 3), _lite(serve_art, 1)
+    s, tok = batch.session, batch.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS[:3]]
+    offs = [i * batch.slot_elems for i in range(3)]
+    for i, p in enumerate(ids):
+        s.prefill_at(offs[i], p, 0)
+    nxt = [int(np.argmax(single.prefill(p))) for p in ids]
+    pos = [len(p) for p in ids]
+    logits = s.step_many(nxt, pos, offs)
+    for i, p in enumerate(ids):
+        single.prefill(p)
+        assert np.array_equal(logits[i], single.step(nxt[i], pos[i])), i
+        assert np.array_equal(s.head_many(single.session.prefill(p + [nxt[i]]))[0], single.prefill(p + [nxt[i]])), i
+    for sub in ([0], [2], [2, 0], [1, 2]):  # (each step rewrites the same K/V at pos[i])
+        assert np.array_equal(s.step_many([nxt[i] for i in sub], [pos[i] for i in sub], [offs[i] for i in sub]),
+                              logits[sub]), sub
+    # five sequences: a full group of four tokens and one more (the AVX2 products' token tiles)
+    five = _lite(serve_art, 5)
+    offs5 = [i * five.slot_elems for i in range(5)]
+    ids5 = [tok.encode(p) for p in PROMPTS]
+    for i, p in enumerate(ids5):
+        five.session.prefill_at(offs5[i], p, 0)
+    got = five.session.step_many([7] * 5, [len(p) for p in ids5], offs5)
+    for i, p in enumerate(ids5):
+        single.prefill(p)
+        assert np.array_equal(got[i], single.step(7, len(p))), i
+    with pytest.raises(Exception, match="beyond the KV cache"):
+        s.step_many([1], [batch.cap], [0])
+
+
+def _engine(art, slots=4, **kw):
+    from sparkq.runtime.serving import Engine
+    return Engine(_lite(art, slots), **kw)
+
+
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_batch_invariance_a_request_decodes_the_same_alone_or_beside_others(serve_art, kernel_build):
+    e = _engine(serve_art, slots=4, prefill_slice=16)  # prompts of 1-90 tokens: prefills in slices between steps
+    try:
+        tok = e.tok
+        reqs = [(tok.encode(p), {}) for p in PROMPTS] + [(tok.encode("sampled"), {"temperature": 0.9, "seed": 7})]
+        alone = [e.generate(ids, 24, ignore_eos=True, **kw) for ids, kw in reqs]
+        assert e.stats["max_batch"] == 1
+        out = [None] * len(reqs)
+
+        def run(i):
+            out[i] = e.generate(reqs[i][0], 24, ignore_eos=True, **reqs[i][1])
+
+        th = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        assert e.stats["max_batch"] == 4  # 6 requests over 4 slots: they did run together
+        for a, b in zip(alone, out):
+            assert a["ids"] == b["ids"] and len(a["ids"]) == 24 and a["finish"] == "length"
+    finally:
+        e.close()
+
+
+def test_batch_invariance_on_the_example(example_art):
+    """Real text: greedy answers of the example alone and four at a time, token for token."""
+    from sparkq.runtime.lite import load
+    from sparkq.runtime.serving import Engine
+
+    e = Engine(load(str(example_art), threads=2, slots=4, kv_budget_mib=64))
+    try:
+        ids = [e.tok.encode(p) for p in ("The capital of France is", "Water boils at", "def fibonacci(n):",
+                                          "The days of the week are Monday,")]
+        alone = [e.generate(i, 16) for i in ids]
+        out = [None] * 4
+        th = [threading.Thread(target=lambda k=k: out.__setitem__(k, e.generate(ids[k], 16))) for k in range(4)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        assert e.stats["max_batch"] >= 3
+        assert [a["ids"] for a in alone] == [b["ids"] for b in out]
+        assert "Paris" in alone[0]["text"]
+        if not e.model.lib.sq_prefill_bf16():  # (bf16 prompt GEMMs from 32 tokens: slices round differently)
+            g = e.model.generate("The capital of France is", max_new_tokens=16)  # the engine is idle: slot 0 is free
+            assert g["token_ids"][:len(alone[0]["ids"])] == alone[0]["ids"]  # what `sparkq generate` says
+    finally:
+        e.close()
+
+
+# -- the HTTP API, in process (uvicorn on a pre-bound loopback socket) --
+
+@contextlib.contextmanager
+def _server(app):
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app.asgi, log_level="warning", access_log=False))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        th.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def api(serve_art):
+    from sparkq.runtime.server import App
+
+    e = _engine(serve_art, slots=2, max_queue=1)
+    app = App(e, "tiny")
+    with _server(app) as url:
+        yield url, e
+    e.close()
+
+
+def _client(url, key="unused"):
+    from openai import OpenAI
+    return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_openai_client_chat_and_completions_stream_and_not(api):
+    url, e = api
+    c = _client(url)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    ref = e.generate(e.tok.encode_chat(msgs), 12)  # the engine's own answer (greedy: generation_config)
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12)
+    assert r.choices[0].message.content == ref["text"] and r.choices[0].finish_reason == ref["finish"]
+    assert r.usage.prompt_tokens == len(e.tok.encode_chat(msgs)) and r.usage.completion_tokens == len(ref["ids"])
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref["text"]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [ref["finish"]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref["ids"])
+    # completions: text and token-id prompts, a stop string cuts the text before it
+    ids = e.tok.encode("the quick brown fox")
+    ref = e.generate(ids, 16, ignore_eos=True)
+    r = c.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=16, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref["text"] and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
+    r2 = c.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    assert r2.choices[0].text == ref["text"]
+    text = ref["text"]
+    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[:i + 2]), None)
+    if stop is not None:
+        cut = text[:text.find(stop)]
+        r3 = c.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=16, temperature=0, stop=[stop, "@@"],
+                                  extra_body={"ignore_eos": True})
+        assert r3.choices[0].text == cut and r3.choices[0].finish_reason == "stop"
+        got = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt="the quick brown fox", max_tokens=16, temperature=0, stop=stop, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert got == cut
+    # seeded sampling: the same seed, the same text
+    a = c.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=1.0, seed=3).choices[0].text
+    b = c.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=1.0, seed=3).choices[0].text
+    assert a == b
+
+
+def _raw(url, method, path, body=None, headers=None):
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, json.loads(data)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "'model'"),
+    (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "does not exist"),
+    (json.dumps({"model": "tiny", "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode(), 400, "role"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400,
+     "only text parts"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n > 1"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}).encode(),
+     400, "tool calling"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "mirostat": 2}).encode(), 400,
+     "unsupported field 'mirostat'"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 5}).encode(), 400,
+     "temperature"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode(), 400,
+     "max_tokens"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}).encode(), 400, "stop"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(), 400,
+     "context of 256 tokens"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "long " * 100}]}).encode(), 400,
+     "context is 256 tokens"),
+])
+def test_malformed_and_unsupported_requests_get_openai_errors(api, body, status, needle):
+    url, e = api
+    code, j = _raw(url, "POST", "/v1/chat/completions", body)
+    assert code == status, j
+    assert set(j["error"]) == {"message", "type", "param", "code"} and needle in j["error"]["message"], j
+
+
+def test_other_routes_prompt_forms_and_the_openai_client_errors(api):
+    import openai
+
+    url, e = api
+    assert _raw(url, "GET", "/v1/nothing")[0] == 404
+    assert _raw(url, "GET", "/v1/chat/completions")[0] == 405
+    code, j = _raw(url, "GET", "/health")
+    assert code == 200 and j["status"] == "ok" and j["slots"] == 2
+    code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode())
+    assert code == 400 and "one prompt per request" in j["error"]["message"]
+    code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 99999]}).encode())
+    assert code == 400 and "token ids" in j["error"]["message"]
+    c = _client(url)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        c.completions.create(model="tiny", prompt="x" * 300)
+
+
+def test_api_key_is_required_when_set(serve_art):
+    import openai
+    from sparkq.runtime.server import App
+
+    e = _engine(serve_art, slots=1)
+    try:
+        with _server(App(e, "tiny", api_key="s3cret")) as url:
+            with pytest.raises(openai.AuthenticationError):
+                _client(url, "wrong").models.list()
+            with pytest.raises(openai.AuthenticationError):
+                _client(url, "wrong").completions.create(model="tiny", prompt="a", max_tokens=2)
+            assert _raw(url, "GET", "/v1/models")[0] == 401  # no header at all
+            assert _client(url, "s3cret").completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
+            assert _raw(url, "GET", "/health")[0] == 200  # liveness stays open
+    finally:
+        e.close()
+
+
+def _wait(pred, timeout=20.0):
+    t = time.time() + timeout
+    while time.time() < t:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_disconnect_frees_the_slot_and_a_full_queue_is_429(api):
+    from sparkq.runtime.servebench import post
+
+    url, e = api
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    before = dict(e.stats)
+    r = post(url, "/v1/completions", body, stream=True, read_events=3)
+    assert r.get("left") and r["status"] == 200
+    assert _wait(lambda: e.load()["running"] == 0 and e.stats["cancelled"] == before["cancelled"] + 1)
+    assert e.stats["decoded"] - before["decoded"] < 150  # it stopped early, not at 200 tokens
+
+    # two slots busy and one request waiting (max_queue=1): the next one is refused with 429
+    results = []
+    th = [threading.Thread(target=lambda: results.append(post(url, "/v1/completions", {**body, "stream": False})))
+          for _ in range(3)]
+    for t in th:
+        t.start()
+    assert _wait(lambda: e.load()["running"] == 2 and e.load()["waiting"] == 1)
+    code, j = _raw(url, "POST", "/v1/completions", json.dumps({**body, "stream": False}).encode())
+    assert code == 429 and j["error"]["type"] == "rate_limit_exceeded"
+    for t in th:
+        t.join()
+    assert [x["status"] for x in results] == [200] * 3
+    assert all(x["json"]["usage"]["completion_tokens"] == 200 for x in results)
+
+    # a non-streaming client that leaves while waiting for its answer frees its slot too
+    u = url.split("//")[1]
+    s = socket.create_connection((u.split(":")[0], int(u.split(":")[1])))
+    payload = json.dumps({**body, "stream": False}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    assert _wait(lambda: e.load()["running"] == 1)
+    n = e.stats["cancelled"]
+    s.close()
+    assert _wait(lambda: e.load()["running"] == 0 and e.stats["cancelled"] == n + 1)
+
+
+# -- the CLI server under a mixed load: RSS, no torch, every well-formed answer right --
+
+def _rss_mib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_server_under_mixed_load(example_art, tmp_path):
+    from serveload import load_test
+
+    port = _free_port()
+    exe = Path(sys.executable).parent / "sparkq"
+    budget = 64
+    p = subprocess.Popen([str(exe), "serve", str(example_art), "--port", str(port), "--parallel", "4", "--threads", "2",
+                          "--kv-budget-mib", str(budget), "--model-name", "ex"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait(lambda: _health(url), 120), p.stderr.read() if p.poll() is not None else "no answer"
+        busy = subprocess.run([str(exe), "serve", str(example_art), "--port", str(port)], capture_output=True, text=True,
+                              timeout=120)
+        assert busy.returncode == 2 and busy.stderr.strip().splitlines() == [
+            f"error: cannot listen on 127.0.0.1:{port} (Address already in use); pick another --port or --host"]
+        maps = open(f"/proc/{p.pid}/maps").read()
+        assert "libtorch" not in maps and "torch/lib" not in maps  # the torch-free runtime
+        r = load_test(url, "ex", requests=int(os.environ.get("SPARKQ_LOAD_REQUESTS", "48")), clients=16,
+                      rss=lambda: _rss_mib(p.pid))
+        assert p.poll() is None, "the server died"
+        assert r["wrong"] == [] and r["failed"] == [], r
+        assert r["ok"] >= r["requests"] // 2 and r["refused"] > 0 and r["left"] > 0
+        art_mib = sum(f.stat().st_size for f in Path(example_art).iterdir()) / 2**20
+        assert r["rss_peak_mib"] <= art_mib + budget + 200, r
+        assert r["rss_after_mib"] <= r["rss_settled_mib"] + 16, r  # back to where it settled
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            rc = p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = None
+    assert rc == 0, p.stderr.read()
+
+
+def _health(url):
+    try:
+        conn = http.client.HTTPConnection(url.split("//")[1].split(":")[0], int(url.rsplit(":", 1)[1]), timeout=2)
+        conn.request("GET", "/health")
+        ok = conn.getresponse().status == 200
+        conn.close()
+        return ok
+    except OSError:
+        return False
