@@ -304,6 +304,10 @@ def chat(
     m = _open(model, "lite" if lite else "torch" if use_torch else "auto", "auto",
               max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads)
     session = _run(ChatSession, m, system, temperature=temperature, top_p=top_p, seed=seed)
+    import signal
+    # Ctrl-C stops an answer even where SIGINT came in ignored (a shell's background job): Python
+    # then installs no KeyboardInterrupt handler of its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     typer.echo(f"sparkq chat: {model} ({_runtime(m)}, KV cache {session.capacity()} tokens). "
                "/reset starts over, /exit quits, Ctrl-C stops an answer.", err=True)
     while True:

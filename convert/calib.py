@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from sparkq.formats import constants as C
-from sparkq.formats.spec import ModelSpec, rope_inv_freq
+from sparkq.formats.spec import ModelSpec, rope_attention_factor, rope_inv_freq
 
 from .errors import ConvertError
 
@@ -135,7 +135,8 @@ class Calibration:
             if (theta, rot) not in self.rope:
                 f = torch.outer(pos, torch.from_numpy(rope_inv_freq(spec, rot, theta)))
                 emb = torch.cat([f, f], -1)
-                self.rope[(theta, rot)] = (emb.cos(), emb.sin())
+                att = rope_attention_factor(spec)  # YaRN scales cos and sin
+                self.rope[(theta, rot)] = (emb.cos() * att, emb.sin() * att)
 
     def _vec(self, name: str) -> torch.Tensor:
         parts = [self.source.read_rows(p, 0, self.source.shapes[p][0]) for p in self.srcs[name]]

@@ -264,7 +264,7 @@ class ModelSpec:
         if spec.heads % spec.kv_heads:
             raise SpecError(f"config.json: {spec.heads} heads is not a multiple of {spec.kv_heads} kv heads")
         rs = spec.rope_scaling
-        if rs and rs.get("rope_type", rs.get("type")) not in (None, "default", "llama3", "linear"):
+        if rs and rs.get("rope_type", rs.get("type")) not in (None, "default", "llama3", "linear", "yarn"):
             raise SpecError(f"config.json: rope_scaling {rs.get('rope_type', rs.get('type'))!r} is not supported yet")
         return spec
 
@@ -411,7 +411,47 @@ def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> np.ndarray:
         scaled = np.where(wavelen > old / lo, inv / factor, inv)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "yarn":  # transformers' _compute_yarn_parameters
+        factor, old = _yarn_factor(spec, rs), float(rs.get("original_max_position_embeddings") or spec.max_position)
+        fast, slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+
+        def corr_dim(rot):
+            return rotary_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = corr_dim(fast), corr_dim(slow)
+        if rs.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+        extra = 1 - ramp  # 1: keep the frequency (high frequencies), 0: interpolate by the factor
+        inv = inv / factor * (1 - extra) + inv * extra
     return inv.astype(np.float32)
+
+
+def _yarn_factor(spec: ModelSpec, rs: dict) -> float:
+    f = rs.get("factor")
+    if f is None:  # DeepSeek-style: the ratio of the extended to the original context
+        return spec.max_position / float(rs["original_max_position_embeddings"])
+    return float(f)
+
+
+def rope_attention_factor(spec: ModelSpec) -> float:
+    """The factor YaRN applies to cos and sin (1.0 for the other RoPE types)."""
+    rs = spec.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    factor = _yarn_factor(spec, rs)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return float(mscale(factor, float(rs["mscale"])) / mscale(factor, float(rs["mscale_all_dim"])))
+    return mscale(factor)
 
 
 def rope_tables_bf16(spec: ModelSpec, max_len: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -420,6 +460,7 @@ def rope_tables_bf16(spec: ModelSpec, max_len: int, rotary_dim: int, theta: floa
     implementation for the torch runtime and the torch-free one, so both use the same tables.
     Computed in blocks of positions: the float64 temporaries stay small even for 1M positions."""
     inv = rope_inv_freq(spec, rotary_dim, theta)
+    att = np.float32(rope_attention_factor(spec))
     half = inv.size
     cos = np.empty((max_len, 2 * half), np.uint16)
     sin = np.empty((max_len, 2 * half), np.uint16)
@@ -431,7 +472,10 @@ def rope_tables_bf16(spec: ModelSpec, max_len: int, rotary_dim: int, theta: floa
     for p0 in range(0, max_len, 1 << 14):
         p1 = min(max_len, p0 + (1 << 14))
         ang = (np.arange(p0, p1, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float64)
-        c, s = bf16_bits(np.cos(ang)), bf16_bits(np.sin(ang))
+        c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        if att != 1:  # YaRN: cos and sin scaled in fp32, as transformers does before the cast
+            c, s = c * att, s * att
+        c, s = bf16_bits(c), bf16_bits(s)
         cos[p0:p1, :half], cos[p0:p1, half:] = c, c
         sin[p0:p1, :half], sin[p0:p1, half:] = s, s
     return cos, sin

@@ -169,8 +169,9 @@ def test_chat_in_a_pseudo_terminal(chat_art, slow_chat_art):
         _read_until(master, proc, "[conversation reset]")
         os.write(master, b"hello there\n")
         assert _prefilled(_read_until(master, proc, END)) == (of, of)  # nothing reused after /reset
-    # answers of hundreds of tokens that take seconds: the tiny model on a SIMD build finished 453
-    # tokens before the signal arrived once (CI, b5c9967..38b7c9c)
+    # answers of hundreds of tokens that take seconds, so the Ctrl-C lands while one streams. Run as
+    # a shell's background job, the program inherits SIGINT ignored: chat installs its handler
+    # itself (without it this case failed in a backgrounded fresh-clone CI run, 453 tokens unstopped)
     with _chat(slow_chat_art, 500, max_len=512, env={"SPARKQ_KERNEL": "scalar"}) as (master, proc):
         os.write(master, b"count to a hundred\n")
         _read_until(master, proc, "count to a hundred\r\n")

@@ -13,6 +13,9 @@ C_PATH = "c (" if compiler() else "torch ("  # no compiler: the runtime's torch 
 
 FAMILIES = {
     "qwen2": dict(arch="qwen2"),
+    # YaRN (Qwen2.5/Qwen3 long-context configs): interpolated low frequencies, cos/sin scaled
+    "qwen2-yarn": dict(arch="qwen2", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                      "original_max_position_embeddings": 128}),
     "qwen3": dict(arch="qwen3", head_dim=48),           # head_dim != hidden/heads, q/k norm
     "mistral": dict(arch="mistral", sliding_window=8),  # prompt longer than the window
     # 5 sliding layers (theta 1e4, window 8) + 1 full (theta 1e6); q/k norms, (1+w) norms,
@@ -72,7 +75,7 @@ def test_family_bf16_vs_transformers(fam, kernel_build, family):
 def test_family_int4_against_its_dequantized_weights(fam, kernel_build, family):
     _, out, seq, _, _ = family(fam)
     art = Artifact.open(out)
-    assert art.spec.family == fam
+    assert art.spec.family == fam.split("-")[0]
     q = load(str(out), max_model_len=64)
     assert q.info.extra["decode_path"].startswith(C_PATH), q.info.extra
     t = torch.tensor(seq)
@@ -101,3 +104,29 @@ def test_unknown_architecture_lists_supported(tmp_path):
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
                  "SparkForCausalLM", "--recipe"):
         assert arch in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("rope", [
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5's long-context line
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.8, "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 65536, "attention_factor": 1.2,
+     "truncate": False},
+])
+def test_yarn_frequencies_and_scale_match_transformers(rope):
+    """YaRN's inverse frequencies and cos/sin factor against transformers' own YaRN, on long-context
+    configs (theta 1e6, head_dim 128, 131072 positions)."""
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sparkq.formats.spec import ModelSpec, rope_attention_factor, rope_inv_freq
+
+    base = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=2, num_attention_heads=12,
+                num_key_value_heads=2, vocab_size=1000, max_position_embeddings=131072, rope_theta=1e6)
+    cfg = {**base, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": rope}
+    spec = ModelSpec.from_config(cfg, "qwen2", qkv_bias=True)
+    hf = Qwen2Config(**base, rope_scaling=dict(rope))
+    inv, att = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    ours = rope_inv_freq(spec, 128, 1e6)
+    assert abs(rope_attention_factor(spec) - att) < 1e-12
+    assert (abs(torch.from_numpy(ours) - inv) / inv).max() < 1e-6
