@@ -132,11 +132,12 @@ class Calibration:
         self.rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(spec.layers):
             theta, rot, _ = spec.layer_attention(i)
-            if (theta, rot) not in self.rope:
-                f = torch.outer(pos, torch.from_numpy(rope_inv_freq(spec, rot, theta)))
+            key = spec.layer_rope_key(i)
+            if key not in self.rope:
+                f = torch.outer(pos, torch.from_numpy(rope_inv_freq(spec, rot, theta, i)))
                 emb = torch.cat([f, f], -1)
-                att = rope_attention_factor(spec)  # YaRN scales cos and sin
-                self.rope[(theta, rot)] = (emb.cos() * att, emb.sin() * att)
+                att = rope_attention_factor(spec, i)  # YaRN scales cos and sin
+                self.rope[key] = (emb.cos() * att, emb.sin() * att)
 
     def _vec(self, name: str) -> torch.Tensor:
         parts = [self.source.read_rows(p, 0, self.source.shapes[p][0]) for p in self.srcs[name]]
@@ -216,7 +217,7 @@ class Calibration:
             q = self._norm(q, f"layers.{i}.q_norm.weight")
             k = self._norm(k, f"layers.{i}.k_norm.weight")
         theta, rot, window = s.layer_attention(i)
-        cos, sin = self.rope[(theta, rot)]
+        cos, sin = self.rope[s.layer_rope_key(i)]
         q, k = self._rotate(q, cos, sin, rot), self._rotate(k, cos, sin, rot)
         pos = torch.arange(t)
         mask = pos[None, :] <= pos[:, None]

@@ -7,6 +7,7 @@ logical shape, so the converter writes and the runtime reads against one definit
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -179,6 +180,8 @@ class ModelSpec:
     # per layer: attention type; per type: (rope theta, rotary dim)
     layer_types: tuple[str, ...] = ()
     rope_by_type: tuple = ()  # sorted ((type, theta, rotary_dim), ...)
+    # per type: its RoPE scaling (None: none); empty: rope_scaling applies to every layer
+    rope_scaling_by_type: dict = field(default_factory=dict, compare=False)
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_softcap: float | None = None
 
@@ -186,6 +189,19 @@ class ModelSpec:
     def layer_norms(self) -> tuple[str, ...]:
         return (C.LAYER_NORMS + (("q_norm", "k_norm") if self.qk_norm else ())
                 + (("post_attn_norm", "post_mlp_norm") if self.sandwich_norms else ()))
+
+    def layer_rope_scaling(self, i: int) -> dict | None:
+        """The RoPE scaling of layer i (Gemma3 >= 4B scales its full-attention layers only)."""
+        if not self.rope_scaling_by_type:
+            return self.rope_scaling
+        t = self.layer_types[i] if self.layer_types else "full_attention"
+        return self.rope_scaling_by_type.get(t, self.rope_scaling_by_type.get("full_attention"))
+
+    def layer_rope_key(self, i: int) -> tuple:
+        """What layer i's RoPE tables depend on: layers with equal keys share one table."""
+        theta, rot, _ = self.layer_attention(i)
+        rs = self.layer_rope_scaling(i)
+        return theta, rot, json.dumps(rs, sort_keys=True) if rs else None
 
     def layer_attention(self, i: int) -> tuple[float, int, int | None]:
         """(rope theta, rotary dim, sliding window or None) of layer i."""
@@ -236,6 +252,7 @@ class ModelSpec:
                 act=act,
                 layer_types=tuple(str(t) for t in cfg.get("layer_types") or ()),
                 rope_by_type=_rope_by_type(cfg, hidden // heads if not cfg.get("head_dim") else int(cfg["head_dim"])),
+                rope_scaling_by_type=_rope_scaling_by_type(cfg),
                 attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
                 final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
             )
@@ -263,9 +280,9 @@ class ModelSpec:
                 raise SpecError(f"config.json: RoPE for {t}: theta {theta} / rotary dim {rot} out of range")
         if spec.heads % spec.kv_heads:
             raise SpecError(f"config.json: {spec.heads} heads is not a multiple of {spec.kv_heads} kv heads")
-        rs = spec.rope_scaling
-        if rs and rs.get("rope_type", rs.get("type")) not in (None, "default", "llama3", "linear", "yarn"):
-            raise SpecError(f"config.json: rope_scaling {rs.get('rope_type', rs.get('type'))!r} is not supported yet")
+        for rs in (spec.rope_scaling, *spec.rope_scaling_by_type.values()):
+            if rs and rs.get("rope_type", rs.get("type")) not in (None, "default", "llama3", "linear", "yarn"):
+                raise SpecError(f"config.json: rope_scaling {rs.get('rope_type', rs.get('type'))!r} is not supported yet")
         return spec
 
     @property
@@ -319,6 +336,19 @@ def _flat_rope(cfg: dict) -> dict:
     return {}
 
 
+def _rope_scaling_by_type(cfg: dict) -> dict:
+    """layer type -> its RoPE scaling (None: unscaled), where the config gives one per type:
+    ``rope_parameters`` keyed by layer type, or Gemma3's older ``rope_scaling`` (its global layers)
+    beside ``rope_local_base_freq`` (its local ones, unscaled); {} otherwise."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
+        return {t: (v if v.get("rope_type", "default") not in (None, "default") else None)
+                for t, v in rp.items() if isinstance(v, dict)}
+    if cfg.get("rope_local_base_freq") and cfg.get("rope_scaling"):
+        return {"full_attention": cfg["rope_scaling"], "sliding_attention": None}
+    return {}
+
+
 def _rope_by_type(cfg: dict, head_dim: int) -> tuple:
     """((layer type, theta, rotary dim), ...) from the config's RoPE fields.
 
@@ -332,8 +362,6 @@ def _rope_by_type(cfg: dict, head_dim: int) -> tuple:
     if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
         for t, v in rp.items():
             if isinstance(v, dict):
-                if v.get("rope_type", "default") != "default":
-                    raise SpecError(f"config.json: RoPE scaling {v.get('rope_type')!r} per layer type is not supported yet")
                 f = float(v.get("partial_rotary_factor", top_factor))
                 out[t] = (float(v.get("rope_theta", base)), int(head_dim * f) // 2 * 2)
     else:
@@ -395,11 +423,12 @@ def choose_group_size(n: int, k: int, recipe: Recipe, role: str, requested: int 
     return None
 
 
-def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float) -> np.ndarray:
-    """RoPE inverse frequencies (float32 [rotary_dim/2], numpy) with the config's rope_scaling:
-    part of the model's definition, shared by the runtime and the converter's calibration."""
+def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float, layer: int | None = None) -> np.ndarray:
+    """RoPE inverse frequencies (float32 [rotary_dim/2], numpy) with the RoPE scaling of ``layer``
+    (None: the config's rope_scaling): part of the model's definition, shared by the runtime and the
+    converter's calibration."""
     inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
-    rs = spec.rope_scaling or {}
+    rs = (spec.rope_scaling if layer is None else spec.layer_rope_scaling(layer)) or {}
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "linear":
         inv = inv / float(rs["factor"])
@@ -437,9 +466,9 @@ def _yarn_factor(spec: ModelSpec, rs: dict) -> float:
     return float(f)
 
 
-def rope_attention_factor(spec: ModelSpec) -> float:
+def rope_attention_factor(spec: ModelSpec, layer: int | None = None) -> float:
     """The factor YaRN applies to cos and sin (1.0 for the other RoPE types)."""
-    rs = spec.rope_scaling or {}
+    rs = (spec.rope_scaling if layer is None else spec.layer_rope_scaling(layer)) or {}
     if rs.get("rope_type", rs.get("type")) != "yarn":
         return 1.0
     if rs.get("attention_factor") is not None:
@@ -454,13 +483,14 @@ def rope_attention_factor(spec: ModelSpec) -> float:
     return mscale(factor)
 
 
-def rope_tables_bf16(spec: ModelSpec, max_len: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables_bf16(spec: ModelSpec, max_len: int, rotary_dim: int, theta: float,
+                     layer: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables [max_len, rotary_dim] as bf16 bit patterns (uint16), rotate-half order: angles
     pos * inv_freq in fp32, cos/sin in float64 rounded to fp32, then to bf16 (nearest even). One
     implementation for the torch runtime and the torch-free one, so both use the same tables.
     Computed in blocks of positions: the float64 temporaries stay small even for 1M positions."""
-    inv = rope_inv_freq(spec, rotary_dim, theta)
-    att = np.float32(rope_attention_factor(spec))
+    inv = rope_inv_freq(spec, rotary_dim, theta, layer)
+    att = np.float32(rope_attention_factor(spec, layer))
     half = inv.size
     cos = np.empty((max_len, 2 * half), np.uint16)
     sin = np.empty((max_len, 2 * half), np.uint16)

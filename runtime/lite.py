@@ -88,13 +88,14 @@ class LiteModel(Generator):
         self.v = np.empty_like(self.k)
         self.cap, self.slots = cap, slots
         self.slot_elems = spec.kv_heads * cap * spec.head_dim  # the element offset between slots
-        ropes = {}  # (theta, rotary dim) -> (cos, sin) bf16 bits [max_model_len, rot], one per distinct pair
+        ropes = {}  # spec.layer_rope_key -> (cos, sin) bf16 bits [max_model_len, rot], one per distinct key
         per_layer = []
         for i in range(spec.layers):
             theta, rot, _ = spec.layer_attention(i)
-            if (theta, rot) not in ropes:
-                ropes[(theta, rot)] = rope_tables_bf16(spec, max_model_len, rot, theta)
-            per_layer.append(ropes[(theta, rot)])
+            key = spec.layer_rope_key(i)
+            if key not in ropes:
+                ropes[key] = rope_tables_bf16(spec, max_model_len, rot, theta, i)
+            per_layer.append(ropes[key])
         self.ropes = ropes
         self.rope_bytes = sum(c.nbytes + s.nbytes for c, s in ropes.values())
         linears = {name: _clinear(name, li, t) for name, li in art.linears.items()}

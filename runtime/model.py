@@ -22,12 +22,13 @@ from .errors import RuntimeUserError
 class Rope:
     """cos/sin tables sized to max_model_len (never max_position_embeddings), bf16 [L, rotary_dim]."""
 
-    def __init__(self, spec: ModelSpec, max_len: int, rotary_dim: int, theta: float):
-        cos, sin = rope_tables_bf16(spec, max_len, rotary_dim, theta)  # shared with runtime/lite.py
+    def __init__(self, spec: ModelSpec, max_len: int, layer: int):
+        theta, rotary_dim, _ = spec.layer_attention(layer)
+        cos, sin = rope_tables_bf16(spec, max_len, rotary_dim, theta, layer)  # shared with runtime/lite.py
         self.cos = torch.from_numpy(cos.view(np.int16)).view(torch.bfloat16)
         self.sin = torch.from_numpy(sin.view(np.int16)).view(torch.bfloat16)
         self.rotary_dim = rotary_dim
-        self.key = (theta, rotary_dim)
+        self.key = spec.layer_rope_key(layer)
 
     def apply(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
         """x: [T, heads, D] -> rotated (first rotary_dim features)."""
@@ -90,13 +91,14 @@ class Model:
         self.max_model_len = max_model_len
         self.embedding = linears["embed"] if "embed" in linears else linears["lm_head"]
         self.head = linears["lm_head"]
-        ropes: dict[tuple, Rope] = {}  # one table per distinct (theta, rotary dim), shared by its layers
+        ropes: dict[tuple, Rope] = {}  # one table per distinct spec.layer_rope_key, shared by its layers
         self.layer_cfg = []
         for i in range(spec.layers):
-            theta, rot, window = spec.layer_attention(i)
-            if (theta, rot) not in ropes:
-                ropes[(theta, rot)] = Rope(spec, rope_len or max_model_len, rot, theta)
-            self.layer_cfg.append(LayerCfg(ropes[(theta, rot)], window))
+            _, _, window = spec.layer_attention(i)
+            key = spec.layer_rope_key(i)
+            if key not in ropes:
+                ropes[key] = Rope(spec, rope_len or max_model_len, i)
+            self.layer_cfg.append(LayerCfg(ropes[key], window))
         self.ropes = list(ropes.values())
         self.cache = KVCache(spec, kv_capacity)
         self.scale = spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)

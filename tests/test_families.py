@@ -1,5 +1,6 @@
 """Families beyond Llama: one model file, recipes as data. For each: bf16 runtime vs
 transformers (prefill + cached decode), then the int4 artifact against its own dequantized weights."""
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,10 @@ FAMILIES = {
     # 5 sliding layers (theta 1e4, window 8) + 1 full (theta 1e6); q/k norms, (1+w) norms,
     # sandwich norms, sqrt(hidden) embedding scale, GELU-tanh, query_pre_attn_scalar
     "gemma3": dict(arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40),
+    # Gemma3 >= 4B: linear RoPE scaling on the full-attention layers only
+    "gemma3-scaled": dict(arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40,
+                          rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 
 
@@ -130,3 +135,23 @@ def test_yarn_frequencies_and_scale_match_transformers(rope):
     ours = rope_inv_freq(spec, 128, 1e6)
     assert abs(rope_attention_factor(spec) - att) < 1e-12
     assert (abs(torch.from_numpy(ours) - inv) / inv).max() < 1e-6
+
+
+def test_per_layer_type_rope_scaling_in_both_config_styles():
+    """Gemma3's scaling applies to its global layers only, from transformers-5 rope_parameters keyed
+    by layer type and from the older rope_scaling beside rope_local_base_freq alike."""
+    from sparkq.formats.spec import ModelSpec, rope_inv_freq
+
+    base = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=131072,
+                sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    old = {**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    new = {**base, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    for cfg in (old, new):
+        spec = ModelSpec.from_config(cfg, "gemma3")
+        assert spec.layer_rope_scaling(0) is None and spec.layer_rope_scaling(5)["factor"] == 8.0
+        assert spec.layer_rope_key(0) != spec.layer_rope_key(5) and spec.layer_rope_key(0) == spec.layer_rope_key(4)
+        plain = 1.0 / (1e4 ** (np.arange(0, 64, 2) / 64))
+        assert np.allclose(rope_inv_freq(spec, 64, 1e4, 0), plain, rtol=1e-6)
+        assert np.allclose(rope_inv_freq(spec, 64, 1e6, 5), 1.0 / (1e6 ** (np.arange(0, 64, 2) / 64)) / 8, rtol=1e-6)

@@ -100,7 +100,7 @@ def test_hybrid_runtime_matches_float64_reference(tmp_path, kernel_build):
     assert (ours.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.9
     # exactly one RoPE table per distinct (theta, rotary dim), sized max_model_len x rotary_dim
     tables = {r.key: tuple(r.cos.shape) for r in m.model.ropes}
-    assert tables == {(10000.0, 16): (64, 16), (1000000.0, 4): (64, 4)}
+    assert tables == {(10000.0, 16, None): (64, 16), (1000000.0, 4, None): (64, 4)}  # (theta, rot, scaling)
     assert [c.window for c in m.model.layer_cfg] == [6, 6, None, 6]
     assert m.model.layer_cfg[0].rope is m.model.layer_cfg[1].rope is m.model.layer_cfg[3].rope
     # the int4 artifact against its own dequantized weights (fp32), no worse than bf16 compute
