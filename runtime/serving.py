@@ -228,7 +228,7 @@ class Engine:
             if pre is not None:  # one slice of the oldest unfinished prompt
                 a = pre.filled
                 b = min(len(pre.ids), a + self.prefill_slice)
-                xn = s.prefill_at(pre.slot * self.model.slot_elems, pre.ids[a:b], a, chunk=self.prefill_slice)
+                xn = s.prefill(pre.ids[a:b], a, kvoff=pre.slot * self.model.slot_elems, chunk=self.prefill_slice)
                 logits = s.head_many(xn) if b == len(pre.ids) else None
                 with self.cv:
                     pre.filled = b

@@ -66,7 +66,7 @@ def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, varia
     ids = [tok.encode(p) for p in PROMPTS[:3]]
     offs = [i * batch.slot_elems for i in range(3)]
     for i, p in enumerate(ids):
-        s.prefill_at(offs[i], p, 0)
+        s.prefill(p, 0, kvoff=offs[i])
     nxt = [int(np.argmax(single.prefill(p))) for p in ids]
     pos = [len(p) for p in ids]
     logits = s.step_many(nxt, pos, offs)
@@ -82,7 +82,7 @@ def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, varia
     offs5 = [i * five.slot_elems for i in range(5)]
     ids5 = [tok.encode(p) for p in PROMPTS]
     for i, p in enumerate(ids5):
-        five.session.prefill_at(offs5[i], p, 0)
+        five.session.prefill(p, 0, kvoff=offs5[i])
     got = five.session.step_many([7] * 5, [len(p) for p in ids5], offs5)
     for i, p in enumerate(ids5):
         single.prefill(p)

@@ -23,7 +23,7 @@ def main():
     one = load(a.artifact, threads=a.threads, slots=1, kv_budget_mib=64, max_model_len=1024)
     s, ids = m.session, m.tokenizer.encode("The capital of France is a city that")
     for i in range(max(rows)):
-        s.prefill_at(i * m.slot_elems, ids, 0)
+        s.prefill(ids, 0, kvoff=i * m.slot_elems)
     one.session.prefill(ids)
     res = {}
     for _ in range(a.rounds):

@@ -137,17 +137,19 @@ class Session:
         self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.ctypes.data, ptr(out))
         return self._softcap(out)
 
-    def prefill(self, ids, pos0: int = 0, last_only: bool = True) -> np.ndarray:
+    def prefill(self, ids, pos0: int = 0, last_only: bool = True, kvoff: int = 0, chunk: int | None = None) -> np.ndarray:
         """Final-normed hidden states fp32 [T, hidden] (or [1, hidden] of the last) of prompt
-        tokens at pos0.., every token's K/V cached."""
+        tokens at pos0.., every token's K/V cached (kvoff: the element offset of a KV slot in every
+        layer's cache, serving.py; chunk: tokens per sq_prefill chunk)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise RuntimeUserError("empty prompt: give at least one token of text")
         check_ids((int(ids.min()), int(ids.max())), self.embed_rows)
         out = np.empty((1 if last_only else ids.size, self.spec.hidden), np.float32)
         self.lib.sq_set_threads(self.threads)
-        rc = self.lib.sq_prefill(ctypes.byref(self.m), ids.ctypes.data, ids.size, int(pos0), self.prefill_chunk,
-                                 out.ctypes.data, int(not last_only))
+        args = (ids.ctypes.data, ids.size, int(pos0), int(chunk or self.prefill_chunk), out.ctypes.data, int(not last_only))
+        rc = (self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), *args) if kvoff
+              else self.lib.sq_prefill(ctypes.byref(self.m), *args))
         if rc == -2:
             raise RuntimeUserError(f"positions {pos0}..{pos0 + ids.size - 1} are beyond the KV cache ({self.cap} tokens)")
         if rc:
@@ -163,23 +165,6 @@ class Session:
         return self._softcap(out)
 
     # -- continuous batching (csrc/batch.c): sequences in KV slots of one cache --
-
-    def prefill_at(self, kvoff: int, ids, pos0: int = 0, chunk: int | None = None) -> np.ndarray:
-        """``prefill`` of ``ids`` into the KV slot at element offset ``kvoff``: the final-normed
-        hidden state fp32 [1, hidden] of the last token."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise RuntimeUserError("empty prompt: give at least one token of text")
-        check_ids((int(ids.min()), int(ids.max())), self.embed_rows)
-        out = np.empty((1, self.spec.hidden), np.float32)
-        self.lib.sq_set_threads(self.threads)
-        rc = self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), ids.ctypes.data, ids.size, int(pos0),
-                                    int(chunk or self.prefill_chunk), out.ctypes.data, 0)
-        if rc == -2:
-            raise RuntimeUserError(f"positions {pos0}..{pos0 + ids.size - 1} are beyond the KV cache ({self.cap} tokens)")
-        if rc:
-            raise MemoryError("sq_prefill could not allocate its activation buffers")
-        return out
 
     def reserve_batch(self, rows: int) -> None:
         """step_many's buffers for ``rows`` sequences, allocated once and kept"""

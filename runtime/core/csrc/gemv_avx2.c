@@ -28,78 +28,15 @@ static inline __attribute__((always_inline)) __m256i xstep_avx2(const int8_t *xq
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
 }
 
-/* step p of row w times the paired activations xq, prefetching the bytes pf further on */
-static inline __attribute__((always_inline)) __m256i gemv_step_avx2(const uint8_t *w, const int8_t *xq, int64_t p,
-                                                                    int64_t pf, __m256i tab, const int LUT) {
-    _mm_prefetch((const char *)(w + pf + 32 * p), _MM_HINT_T0);
-    __m256i lo, hi, tl = tab, th = tab;
-    wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
-    return xstep_avx2(xq, p, lo, hi, tl, th, LUT);
-}
-
-/* int4 (LUT = 0) or lut4 (LUT = 1) x paired int8 activations, one row (g32: a scale per lane). A
- * lut4 row's codes pick its levels by a byte shuffle (its 16 levels in both lanes), multiplied with
- * the sign trick (|t| and x with t's sign: maddubs wants an unsigned operand). The bytes `ahead` rows further on are
- * prefetched as they are read: a software stream beside the hardware one. */
-static inline __attribute__((always_inline)) void row_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
-                                                                     int64_t n, int64_t ahead, const int LUT) {
-    const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G, rb = K / 2;
-    const __m256i tab = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n)))
-                            : _mm256_setzero_si256();
-    __m256 acc = _mm256_setzero_ps();
-    float zt = 0.f;
-    const uint8_t *w = L->q + n * rb;
-    if (G == 32) { /* a 64-column step spans two groups: one scale per 128-bit lane */
-        for (int64_t p = 0; p < K / 64; p++) {
-            const __m256i d = gemv_step_avx2(w, a->q, p, ahead * rb, tab, LUT);
-            const uint16_t *p0 = L->sz + 2 * (2 * p * N + n), *p1 = L->sz + 2 * ((2 * p + 1) * N + n);
-            const float s0 = bf(p0[0]), z0 = bf(p0[1]), s1 = bf(p1[0]), z1 = bf(p1[1]);
-            const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(a->s8 + 8 * p)), sv, acc);
-            zt += LUT ? z0 * a->gsum[2 * p] + z1 * a->gsum[2 * p + 1]
-                      : z0 * a->gsum[2 * p] - 8.f * s0 * a->gqsum[2 * p] + z1 * a->gsum[2 * p + 1] -
-                            8.f * s1 * a->gqsum[2 * p + 1];
-        }
-        y[n] = hsum8(acc) + zt;
-        return;
-    }
-    for (int64_t gi = 0; gi < ngroups; gi++) {
-        __m256 gacc = _mm256_setzero_ps();
-        for (int64_t pp = 0; pp < ppg; pp++) {
-            const int64_t p = gi * ppg + pp;
-            const __m256i d = gemv_step_avx2(w, a->q, p, ahead * rb, tab, LUT);
-            gacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(a->s8 + 8 * p), gacc);
-        }
-        const uint16_t *p = L->sz + 2 * (gi * N + n);
-        const float s = bf(p[0]), z = bf(p[1]);
-        acc = _mm256_fmadd_ps(gacc, _mm256_set1_ps(s), acc);
-        zt += LUT ? z * a->gsum[gi] : z * a->gsum[gi] - 8.f * s * a->gqsum[gi];
-    }
-    y[n] = hsum8(acc) + zt;
-}
-
-/* Rows [r0, r1) (one 16-row chunk of the products loop). Decode streams every weight once, so
- * this is about keeping DRAM busy: one row at a time with the bytes of the row 1 KiB further on
- * prefetched (at least 2 rows), and the scales/zeros of the chunk 32 rows on prefetched up
- * front -- they are [K/g, N, 2], one cache line per group every 16 rows, K/g streams that the
- * hardware prefetcher does not follow. Measured, whole decode step (median of 32 steps,
- * interleaved builds, 2-3 rounds): Qwen3-1.7B shape 8.9-10.5 tok/s with the previous 4 rows at a
- * time and a one-block prefetch, 10.3-11.2 one row with 2 rows ahead, 11.2-13.7 adding the
- * scale prefetch; example 88-105 -> 97-105 (2 rows ahead) / 100-111 (4 rows = 1152 bytes). */
-static inline __attribute__((always_inline)) void rows_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
-                                                                      int64_t r0, int64_t r1, const int LUT) {
-    const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2;
-    const int64_t ahead = rows_ahead(rb, 1024);
-    for (int64_t gi = 0; gi < ng && r0 + 32 < N; gi++)
-        _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 32)), _MM_HINT_T0);
-    for (int64_t n = r0; n < r1; n++) row_x4_a8pair_avx2(L, a, y, n, ahead, LUT);
-}
-
-/* T tokens (1..4) of one row, for the batched decode step (batch.c): each step's weight operands
- * unpacked once (wstep_avx2) for all T, each token's arithmetic exactly row_x4_a8pair_avx2's, so a
- * token's result is the single-token product's, bit for bit, whatever T and its company. (The
- * zero terms as one vector FMA per group instead of the scalar chain: the same speed, measured,
- * and it would part the decode products' bits from the prompt GEMM's.) */
+/* int4 (LUT = 0) or lut4 (LUT = 1) x paired int8 activations, one row (g32: a scale per lane), for
+ * T tokens (1..4): each 64-column step's weight operands unpacked once (wstep_avx2) for all T (the
+ * batched decode step, batch.c). A lut4 row's codes pick its levels by a byte shuffle (its 16 levels
+ * in both lanes), multiplied with the sign trick (|t| and x with t's sign: maddubs wants an unsigned
+ * operand). The bytes `ahead` rows further on are prefetched as they are read: a software stream
+ * beside the hardware one. A token's arithmetic does not depend on T, so its result is the
+ * single-token product's bit for bit. (The zero terms as one vector FMA per group instead of the
+ * scalar chain: the same speed, measured, and it would part the decode products' bits from the
+ * prompt GEMM's.) */
 static inline __attribute__((always_inline)) void row_x4_a8pair_many_avx2(const sq_linear *L, const sq_act *a, float *y,
                                                                           int64_t ldy, int64_t n, int64_t ahead,
                                                                           const int T, const int LUT) {
@@ -150,6 +87,29 @@ static inline __attribute__((always_inline)) void row_x4_a8pair_many_avx2(const 
         }
     }
     for (int t = 0; t < T; t++) y[t * ldy + n] = hsum8(acc[t]) + zt[t];
+}
+
+/* one row, one token (the decode step) */
+static inline __attribute__((always_inline)) void row_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
+                                                                     int64_t n, int64_t ahead, const int LUT) {
+    row_x4_a8pair_many_avx2(L, a, y, 0, n, ahead, 1, LUT);
+}
+
+/* Rows [r0, r1) (one 16-row chunk of the products loop). Decode streams every weight once, so
+ * this is about keeping DRAM busy: one row at a time with the bytes of the row 1 KiB further on
+ * prefetched (at least 2 rows), and the scales/zeros of the chunk 32 rows on prefetched up
+ * front -- they are [K/g, N, 2], one cache line per group every 16 rows, K/g streams that the
+ * hardware prefetcher does not follow. Measured, whole decode step (median of 32 steps,
+ * interleaved builds, 2-3 rounds): Qwen3-1.7B shape 8.9-10.5 tok/s with the previous 4 rows at a
+ * time and a one-block prefetch, 10.3-11.2 one row with 2 rows ahead, 11.2-13.7 adding the
+ * scale prefetch; example 88-105 -> 97-105 (2 rows ahead) / 100-111 (4 rows = 1152 bytes). */
+static inline __attribute__((always_inline)) void rows_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
+                                                                      int64_t r0, int64_t r1, const int LUT) {
+    const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2;
+    const int64_t ahead = rows_ahead(rb, 1024);
+    for (int64_t gi = 0; gi < ng && r0 + 32 < N; gi++)
+        _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 32)), _MM_HINT_T0);
+    for (int64_t n = r0; n < r1; n++) row_x4_a8pair_avx2(L, a, y, n, ahead, LUT);
 }
 
 /* rows [r0, r1) for M tokens (outputs y + t * ldy), four tokens per pass over a row */
