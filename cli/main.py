@@ -195,6 +195,11 @@ def _rows32_artifact(model: str) -> bool | None:
         return None
 
 
+def _kv(kv_dtype: str | None) -> dict:
+    """--kv-dtype as a load keyword (absent: the runtime's default, common.DEFAULT_KV_DTYPE)"""
+    return {} if kv_dtype is None else {"kv_dtype": kv_dtype}
+
+
 def _open(model: str, runtime: str, prefill: str, **kw):
     """The model on the runtime ``generate`` picks: the torch-free one for rows32 artifacts (and Hub
     repos, which it fetches the rows32 variant of), the torch runtime for torch's int4 layouts,
@@ -232,6 +237,8 @@ OPT_TOP_P = typer.Option(1.0, "--top-p")
 OPT_SEED = typer.Option(None, "--seed")
 OPT_MAX_MODEL_LEN = typer.Option(None, "--max-model-len", help="default: min(2048, max_position_embeddings)")
 OPT_KV_BUDGET = typer.Option(192, "--kv-budget-mib")
+OPT_KV_DTYPE = typer.Option(None, "--kv-dtype", help="KV cache: int8 (the default: int8 K/V rows with a bf16 scale per "
+                            "position and KV head, ~0.52x bf16's bytes, so ~1.9x the positions per budget) or bf16")
 OPT_THREADS = typer.Option(None, "--threads")
 
 
@@ -246,6 +253,7 @@ def generate(
     seed: Optional[int] = OPT_SEED,
     max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
     kv_budget_mib: float = OPT_KV_BUDGET,
+    kv_dtype: Optional[str] = OPT_KV_DTYPE,
     threads: Optional[int] = OPT_THREADS,
     prefill: str = typer.Option("auto", "--prefill", help="torch runtime: prompt products of int4 linears above 64 "
                                 "rows: auto (the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant"),
@@ -258,7 +266,7 @@ def generate(
     if lite and use_torch:
         _fail("--lite and --torch exclude each other")
     m = _open(model, "lite" if lite else "torch" if use_torch else "auto", prefill,
-              max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads)
+              max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, **_kv(kv_dtype))
     hub = m.info.extra.get("hub")
     if hub and not as_json:
         typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)
@@ -289,6 +297,7 @@ def chat(
     seed: Optional[int] = OPT_SEED,
     max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
     kv_budget_mib: float = OPT_KV_BUDGET,
+    kv_dtype: Optional[str] = OPT_KV_DTYPE,
     threads: Optional[int] = OPT_THREADS,
     lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (the default for rows32 artifacts)"),
     use_torch: bool = typer.Option(False, "--torch", help="the torch runtime"),
@@ -302,7 +311,7 @@ def chat(
     if lite and use_torch:
         _fail("--lite and --torch exclude each other")
     m = _open(model, "lite" if lite else "torch" if use_torch else "auto", "auto",
-              max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads)
+              max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, **_kv(kv_dtype))
     session = _run(ChatSession, m, system, temperature=temperature, top_p=top_p, seed=seed)
     import signal
     # Ctrl-C stops an answer even where SIGINT came in ignored (a shell's background job): Python
@@ -354,6 +363,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPARKQ_API_KEY",
                                           help="require Authorization: Bearer KEY on /v1"),
     kv_budget_mib: float = OPT_KV_BUDGET,
+    kv_dtype: Optional[str] = OPT_KV_DTYPE,
     max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
     threads: Optional[int] = OPT_THREADS,
     model_name: Optional[str] = typer.Option(None, "--model-name", help="the id clients send as 'model' "
@@ -377,7 +387,7 @@ def serve(
 
     _run(run_server, model, host=host, port=port, parallel=parallel, api_key=api_key, kv_budget_mib=kv_budget_mib,
          max_model_len=max_model_len, threads=threads, model_name=model_name, max_queue=max_queue,
-         echo=lambda s: typer.echo(s, err=True))
+         echo=lambda s: typer.echo(s, err=True), **_kv(kv_dtype))
 
 
 def _rss_mib() -> dict:
@@ -401,6 +411,7 @@ def _threads(m) -> int:
 def memory(
     artifact: str,
     kv_budget_mib: Optional[float] = typer.Option(None, "--kv-budget-mib"),
+    kv_dtype: Optional[str] = OPT_KV_DTYPE,
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     rope_len_from_config: bool = typer.Option(False, "--rope-len-from-config",
                                               help="bad arm: size RoPE tables from max_position_embeddings"),
@@ -414,7 +425,7 @@ def memory(
     from sparkq.runtime.memory import run
 
     r = _run(run, artifact, kv_budget_mib=kv_budget_mib, max_model_len=max_model_len,
-             rope_len_from_config=rope_len_from_config or None, threads=threads)
+             rope_len_from_config=rope_len_from_config or None, threads=threads, kv_dtype=kv_dtype)
     if save:
         _save(artifact, "memory", r)
     if plot:
@@ -439,10 +450,13 @@ def fidelity(
     threads: Optional[int] = typer.Option(None, "--threads"),
     prefill: str = typer.Option("auto", "--prefill", help="the artifact's prompt products, as `sparkq generate "
                                 "--prefill`: auto, kernel, or dequant (fp32 activations, no A8)"),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="the artifact's KV cache (int8 | bf16)"),
+    reference_kv_dtype: str = typer.Option("bf16", "--reference-kv-dtype", help="the reference's KV cache"),
     as_json: bool = typer.Option(False, "--json"),
     save: bool = typer.Option(False, "--save", help="store the result in ARTIFACT/measurements/ (model card)"),
 ):
-    """Top-1 agreement, KL(reference||artifact), perplexity, greedy reproductions."""
+    """Top-1 agreement, KL(reference||artifact), perplexity, greedy reproductions. The reference
+    may be an artifact too: `--reference ART --kv-dtype int8` measures the int8 KV cache alone."""
     from pathlib import Path
 
     _need_convert_extra("sparkq fidelity", ("torch",))
@@ -454,7 +468,7 @@ def fidelity(
             _fail(f"--prompts {prompts}: no such file")
         plist = [line for line in Path(prompts).read_text().splitlines() if line.strip()]
     r = _run(do_fidelity, artifact, reference, corpus, tokens, window, plist, new_tokens, threads,
-             prefill_dequant=_prefill_mode(prefill))
+             prefill_dequant=_prefill_mode(prefill), **_kv(kv_dtype), reference_kv_dtype=reference_kv_dtype)
     if save:
         _save(artifact, "fidelity", r)
     if as_json:
@@ -471,6 +485,10 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads"),
     pp: int = typer.Option(512, "--pp", help="prefill length"),
     tg: int = typer.Option(128, "--tg", help="decode length"),
+    depth: int = typer.Option(0, "--depth", help="decode after this many cached positions (a prompt of DEPTH "
+                              "tokens first), as llama-bench -d"),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="every sparkq arm's KV cache (int8 | bf16; an arm's "
+                                           "kv_dtype=... overrides it)"),
     llama_gguf: list[str] = typer.Option([], "--llama-gguf", help="also bench this GGUF with llama-cpp-python; repeatable"),
     as_json: bool = typer.Option(False, "--json"),
     plot: Optional[str] = typer.Option(None, "--plot"),
@@ -481,7 +499,7 @@ def bench(
     from sparkq.runtime.bench import bench as do_bench
 
     r = _run(do_bench, model, arm, passes, threads, pp, tg, 16, llama_gguf,
-             (lambda msg: typer.echo(f"  {msg}", err=True)) if not as_json else None)
+             (lambda msg: typer.echo(f"  {msg}", err=True)) if not as_json else None, depth=depth, kv_dtype=kv_dtype)
     if save:
         _save(model, "bench", r)
     if plot:

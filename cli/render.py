@@ -105,7 +105,7 @@ def format_bench(r: dict) -> str:
              + (f" [{r['read_ceiling']['min']:.1f}..{r['read_ceiling']['max']:.1f}], probed before each arm's run; % ceiling = "
                 "median over passes of a run's GB/s over its own probe; ratios = medians of same-pass ratios" if "read_ceiling" in r else ""),
              "",
-             f"  | arm | decode tg{r['tg']} tok/s | prefill pp{r['pp']} tok/s | load s | TTFT s | peak / settled RSS MiB "
+             f"  | arm | decode tg{r['tg']}{' @ d' + str(r['depth']) if r.get('depth') else ''} tok/s | prefill pp{r['pp']} tok/s | load s | TTFT s | peak / settled RSS MiB "
              f"| run peak / after RSS MiB (bound) | decode GB/s (% ceiling) | decode vs control | prefill vs control "
              f"| decode path; prefill path |", "  |---|---|---|---|---|---|---|---|---|---|---|"]
     for n, a in r["arms"].items():
@@ -117,7 +117,9 @@ def format_bench(r: dict) -> str:
                      f"{' (' + format(a['rss_bound_mib'], '.0f') + ')' if 'rss_bound_mib' in a else ''} "
                      f"| {a['decode_gb_s']:.1f} ({a['decode_pct_of_ceiling']:.0f}%) | {a['ratio_to_control']['tg_tok_s']:.2f}x "
                      f"| {a['ratio_to_control']['pp_tok_s']:.2f}x | {a.get('decode_path', '?')}"
-                     f"{'; prefill ' + a['prefill_path'] if a.get('prefill_path') else ''} |")
+                     f"{'; prefill ' + a['prefill_path'] if a.get('prefill_path') else ''}"
+                     f"{'; KV ' + a['kv_dtype'] if a.get('kv_dtype') else ''}"
+                     f"{'; depth ' + str(a['depth']) if a.get('depth') != r.get('depth') else ''} |")
     return "\n".join(lines)
 
 

@@ -11,8 +11,8 @@ from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, ROWS32, LayoutError, host_layout
 from sparkq.formats.spec import ModelSpec, recipe_for_config
 
-from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD, LoadInfo,  # noqa: F401
-                     fix_malloc_mmap_threshold, kv_capacity, resolve)
+from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD,  # noqa: F401
+                     LoadInfo, check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
 from .errors import RuntimeUserError
 from .generate import Generator
 from .model import Model
@@ -111,11 +111,12 @@ def _attach_fast(model: Model, lab: LabOptions) -> str:
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, prefill_dequant: bool | None = None, verify: bool = False,
-         lab: LabOptions | None = None) -> "LoadedModel":
+         lab: LabOptions | None = None, kv_dtype: str = DEFAULT_KV_DTYPE) -> "LoadedModel":
     """Load a sparkq artifact (mapped, no copy) or a bf16 HF checkpoint (reference) on the torch runtime.
 
     ``max_model_len`` defaults to min(2048, the model's max_position_embeddings); the KV
-    cache holds min(max_model_len, kv_budget_mib / bytes per token) tokens. Decode steps, and
+    cache holds min(max_model_len, kv_budget_mib / bytes per token) tokens, each K and V row bf16
+    or (``kv_dtype="int8"``) int8 codes with a bf16 scale per position and KV head. Decode steps, and
     prompts where every layer linear has a C prompt GEMM, go through the C core (rows32, int8 or
     bf16 linears, a C compiler present). ``prefill_dequant`` (``--prefill``) picks the prompt
     product of int4 linears otherwise: None (auto) the C core's W4A8 GEMM where it applies and pays
@@ -124,6 +125,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     arms (runtime/options.py).
     """
     lab = lab or LabOptions()
+    check_kv_dtype(kv_dtype)
     t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(int(threads))
@@ -150,14 +152,15 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
         kind, layout, tensors = "bf16", None, None
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, spec.max_position)
-    cap = kv_capacity(spec, max_model_len, kv_budget_mib)
+    cap = kv_capacity(spec, max_model_len, kv_budget_mib, kv_dtype)
     model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap,
-                  rope_len=spec.max_position if lab.rope_len_from_config else None)
+                  rope_len=spec.max_position if lab.rope_len_from_config else None, kv_dtype=kv_dtype)
     extra = {"hub": hub} if hub else {}
     extra["decode_path"] = _attach_fast(model, lab)
     extra["prefill_path"] = "c" if model.fast is not None and lab.c_prefill and model.prefill_off is None else \
         "torch" + (f" ({model.prefill_off})" if model.fast is not None and lab.c_prefill else "")
     extra["malloc_mmap_threshold"] = MALLOC_MMAP_THRESHOLD if fixed else None
+    extra["kv_dtype"] = kv_dtype
     tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
     info = LoadInfo(str(path_or_repo_id), kind, layout, time.perf_counter() - t0, cap, model.cache.nbytes,
                     sum(r.nbytes for r in model.ropes), max_model_len, extra)

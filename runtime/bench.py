@@ -27,13 +27,13 @@ def _auto_bool(v: str) -> bool | None:
 
 # load() options and LabOptions fields (runtime/options.py) an arm may set
 LOAD_KEYS = {"prefill_dequant": _auto_bool, "c_decode": _bool, "c_prefill": _bool, "lite": _bool, "threads": int,
-             "kv_budget_mib": float, "max_model_len": int}
+             "kv_budget_mib": float, "max_model_len": int, "kv_dtype": str}
 
 
 def parse_arm(spec: str) -> tuple[str, dict, dict]:
     """``NAME=k=v,k=v``: lower-case keys are load() options (``model=PATH`` benches another
-    model, e.g. the bf16 reference, in the same interleaved run), UPPER-case ones
-    environment variables."""
+    model, e.g. the bf16 reference, in the same interleaved run; ``depth=N`` decodes after N
+    cached positions), UPPER-case ones environment variables."""
     name, _, flags = spec.partition("=")
     if not name:
         raise ValueError(f"--arm {spec!r}: expected NAME=key=value,...")
@@ -44,6 +44,8 @@ def parse_arm(spec: str) -> tuple[str, dict, dict]:
             env[k] = v
         elif k == "model":
             kw[k] = v
+        elif k == "depth":  # this arm decodes after a prompt of this many tokens (--depth for all)
+            kw[k] = int(v)
         elif k in LOAD_KEYS:
             kw[k] = LOAD_KEYS[k](v)
         else:
@@ -113,7 +115,9 @@ def _child_sparkq(a: dict) -> dict:
         t = time.perf_counter()
         m.model.forward(torch.tensor(pp_ids), 0, last_only=True)
         pp_s = time.perf_counter() - t
-        list(m.stream_ids(short, max_new_tokens=a["tg"], stop_ids=[]))
+        # decode after a prompt of `depth` tokens (llama-bench -d), else after the short one
+        deep = torch.randint(0, vocab, (a["depth"],), generator=g).tolist() if a.get("depth") else short
+        list(m.stream_ids(deep, max_new_tokens=a["tg"], stop_ids=[]))
     st = m.last_stats
     d = a["model"] if os.path.isdir(a["model"]) else ""  # a Hub repo id: no bound reported
     art = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors")) if d else 0
@@ -122,7 +126,8 @@ def _child_sparkq(a: dict) -> dict:
             "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20,
             "kv_budget_mib": m.model.cache.nbytes / 2**20,
             "decode_bytes_per_token": decode_bytes_per_token(m), "threads": torch.get_num_threads(),
-            "decode_path": m.info.extra.get("decode_path"), "prefill_path": m.info.extra.get("prefill_path")}
+            "decode_path": m.info.extra.get("decode_path"), "prefill_path": m.info.extra.get("prefill_path"),
+            "kv_dtype": m.info.extra.get("kv_dtype")}
 
 
 def _child_lite(a: dict) -> dict:
@@ -152,7 +157,8 @@ def _child_lite(a: dict) -> dict:
         t = time.perf_counter()
         m.prefill(pp_ids)
         pp_s = time.perf_counter() - t
-        list(m.stream_ids(short, max_new_tokens=a["tg"], stop_ids=[]))
+        deep = [rng.randrange(vocab) for _ in range(a["depth"])] if a.get("depth") else short
+        list(m.stream_ids(deep, max_new_tokens=a["tg"], stop_ids=[]))
     st = m.last_stats
     if "torch" in sys.modules:
         raise RuntimeError("the lite arm imported torch")
@@ -162,9 +168,10 @@ def _child_lite(a: dict) -> dict:
     bpt = sum(decode_read_bytes(k, v.nbytes, v.shape[0]) for k, v in m.tensors.items())
     return {"load_s": load_s, "ttft_s": ttft, "pp_tok_s": a["pp"] / pp_s, "tg_tok_s": st.decode_tok_s,
             "peak_rss_mib": s.peak_kib / 1024, "settled_rss_mib": settled / 1024, "run_peak_rss_mib": run.peak_kib / 1024,
-            "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20, "kv_budget_mib": m.k.nbytes * 2 / 2**20,
+            "after_run_rss_mib": run.sample() / 1024, "weights_file_mib": art / 2**20, "kv_budget_mib": m.kv_nbytes / 2**20,
             "decode_bytes_per_token": bpt, "threads": m.info.extra["threads"],
-            "decode_path": m.info.extra["decode_path"], "prefill_path": m.info.extra["prefill_path"]}
+            "decode_path": m.info.extra["decode_path"], "prefill_path": m.info.extra["prefill_path"],
+            "kv_dtype": m.info.extra["kv_dtype"]}
 
 
 def _child_llama(a: dict) -> dict:
@@ -176,7 +183,8 @@ def _child_llama(a: dict) -> dict:
 
     t0 = time.perf_counter()
     with RssSampler(0.002) as s:
-        llm = Llama(model_path=a["model"], n_ctx=a["pp"] + a["tg"] + 64, n_threads=a["load"].get("threads") or os.cpu_count(),
+        llm = Llama(model_path=a["model"], n_ctx=max(a["pp"], a.get("depth", 0)) + a["tg"] + 64,
+                    n_threads=a["load"].get("threads") or os.cpu_count(),
                     n_batch=a["pp"], verbose=False)
         load_s = time.perf_counter() - t0
         rng = random.Random(0)
@@ -193,7 +201,7 @@ def _child_llama(a: dict) -> dict:
         llm.eval(pp_ids)
         pp_s = time.perf_counter() - t
         llm.reset()
-        llm.eval(short)
+        llm.eval([rng.randrange(vocab) for _ in range(a["depth"])] if a.get("depth") else short)
         t = time.perf_counter()
         for _ in range(a["tg"] - 1):
             llm.eval([rng.randrange(vocab)])
@@ -234,13 +242,14 @@ RSS_BOUND_SLACK_MIB = 150
 
 
 def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: int | None = None, pp: int = 512,
-          tg: int = 128, ttft_tokens: int = 16, llama_gguf: list[str] | str | None = None, progress=None) -> dict:
+          tg: int = 128, ttft_tokens: int = 16, llama_gguf: list[str] | str | None = None, progress=None,
+          depth: int = 0, kv_dtype: str | None = None) -> dict:
     import torch
 
     from sparkq.runtime.errors import RuntimeUserError
 
-    if passes < 1 or pp < 1 or tg < 2:
-        raise RuntimeUserError("--passes >= 1, --pp >= 1 and --tg >= 2 are required")
+    if passes < 1 or pp < 1 or tg < 2 or depth < 0:
+        raise RuntimeUserError("--passes >= 1, --pp >= 1, --tg >= 2 and --depth >= 0 are required")
     threads = threads or torch.get_num_threads()
     try:
         parsed = [("control", {}, {})] + [parse_arm(a) for a in (arms or [])]
@@ -248,9 +257,11 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         raise RuntimeUserError(str(e)) from None
     runs = []
     for name, kw, env in parsed:
-        kw = {"threads": threads, "max_model_len": max(pp, ttft_tokens + tg) + 8, **kw}
+        d = kw.pop("depth", depth)
+        kw = {"threads": threads, "max_model_len": max(pp, ttft_tokens + tg, d + tg) + 8,
+              **({"kv_dtype": kv_dtype} if kv_dtype else {}), **kw}
         target = kw.pop("model", model)
-        runs.append((name, {"kind": "sparkq", "model": target, "load": kw}, env))
+        runs.append((name, {"kind": "sparkq", "model": target, "load": kw, "depth": d}, env))
     ggufs = [llama_gguf] if isinstance(llama_gguf, str) else list(llama_gguf or [])
     if ggufs:
         try:
@@ -269,7 +280,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
     probes: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for p in range(passes):
         for name, args, env in runs:
-            args = {**args, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens}
+            args = {"depth": depth, **args, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens}
             probes[name].append(bandwidth_probe(threads))
             time.sleep(0.05)  # the probe's OpenMP threads stop spinning before the child starts
             results[name].append(_run_child(args, env))
@@ -289,6 +300,8 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
         a["env"] = env
         a["decode_path"] = rs[0].get("decode_path", "llama.cpp")
         a["prefill_path"] = rs[0].get("prefill_path")
+        a["kv_dtype"] = rs[0].get("kv_dtype")
+        a["depth"] = next(args.get("depth", depth) for n, args, _ in runs if n == name)
         a["model"] = next(args["model"] for n, args, _ in runs if n == name)
         if rs[0].get("weights_file_mib"):
             a["rss_bound_mib"] = rs[0]["weights_file_mib"] + rs[0]["kv_budget_mib"] + RSS_BOUND_SLACK_MIB
@@ -298,6 +311,7 @@ def bench(model: str, arms: list[str] | None = None, passes: int = 3, threads: i
     for a in out_arms.values():
         a["ratio_to_control"] = {m: paired_ratio(a, ctrl, m) for m in METRICS}
     return {"model": model, "passes": passes, "threads": threads, "pp": pp, "tg": tg, "ttft_tokens": ttft_tokens,
+            "depth": depth,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"), "read_ceiling_gb_s": ceiling,
             "read_ceiling": _summ(ceilings),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "arms": out_arms}

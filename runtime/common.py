@@ -31,9 +31,23 @@ def decode_read_bytes(name: str, nbytes: int, rows: int) -> int:
     return nbytes
 
 
-def kv_bytes_per_token(spec: ModelSpec) -> int:
-    """bf16 K and V for every layer: the cache layout both runtimes allocate."""
-    return 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
+# the KV cache's element types (load(kv_dtype=...), --kv-dtype): bf16, or int8 codes with one bf16
+# scale per (position, KV head), written by the decode step and the prompt path alike
+KV_DTYPES = ("bf16", "int8")
+DEFAULT_KV_DTYPE = "int8"
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise RuntimeUserError(f"KV cache dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}; pass --kv-dtype bf16 or int8")
+    return kv_dtype
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
+    """K and V of one position in every layer, as both runtimes allocate them: bf16 rows, or
+    int8 rows and one bf16 scale each."""
+    row = spec.head_dim * 2 if check_kv_dtype(kv_dtype) == "bf16" else spec.head_dim + 2
+    return 2 * spec.layers * spec.kv_heads * row
 
 
 @dataclass
@@ -59,7 +73,7 @@ def resolve(path_or_repo: str, layouts: list[str] | None = None) -> tuple[Path, 
     raise RuntimeUserError(f"{path_or_repo}: no such directory (and not a Hub repo id org/name[@revision])")
 
 
-def kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float) -> int:
+def kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
     if max_model_len <= 0:
         raise RuntimeUserError(f"max_model_len must be positive, got {max_model_len}")
     if kv_budget_mib <= 0:
@@ -67,7 +81,7 @@ def kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float) -> in
     if max_model_len > spec.max_position:
         raise RuntimeUserError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                                f"{spec.max_position}; lower --max-model-len")
-    per_tok = kv_bytes_per_token(spec)
+    per_tok = kv_bytes_per_token(spec, kv_dtype)
     cap = min(max_model_len, int(kv_budget_mib * 2**20) // per_tok)
     if cap < 1:
         raise RuntimeUserError(f"a KV budget of {kv_budget_mib} MiB holds no token ({per_tok} bytes each); raise --kv-budget-mib")

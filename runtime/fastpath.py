@@ -6,7 +6,8 @@ mapping, the KV cache and the RoPE tables; no weight is copied; one call per tok
 linear is a rows32 int4, an int8 or a bf16 linear; artifacts in torch's int4 layouts keep the
 torch path. Prompts go through the same C core (``sq_prefill``) when every layer linear has a
 C prompt GEMM (``prefill_supported``); otherwise through the torch model, whose rows32/int8
-linears call the C products (``attach_linears``). Every path shares the bf16 KV cache.
+linears call the C products (``attach_linears``). Every path shares the KV cache (bf16, or int8
+codes + scales: the same buffers and arithmetic in C and torch).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def session(model, lib, threads: int) -> core.Session:
     embed_mult = float(model.embed_mult) if model.embed_mult is not None else 0.0
     return core.Session(lib, model.spec, {n: clinear(lin) for n, lin in model.lin.items()}, model.norms, ropes,
                         model.cache.k, model.cache.v, model.cache.capacity, threads=threads, attn_scale=model.scale,
-                        embed_mult=embed_mult)
+                        embed_mult=embed_mult, kscale=model.cache.k_scale, vscale=model.cache.v_scale)
 
 
 def attach_linears(model, lib) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .api import load
+from .common import DEFAULT_KV_DTYPE
 from .errors import RuntimeUserError
 from .options import PREFILL_MODES
 
@@ -60,15 +61,18 @@ def greedy(art, ref, prompts: list[str], new_tokens: int) -> dict:
 
 def fidelity(artifact: str, reference: str, corpus: str, tokens: int = 4096, window: int = 512,
              prompts: list[str] | None = None, new_tokens: int = 32, threads: int | None = None,
-             prefill_dequant: bool | None = None) -> dict:
+             prefill_dequant: bool | None = None, kv_dtype: str = DEFAULT_KV_DTYPE,
+             reference_kv_dtype: str = "bf16") -> dict:
     p = Path(corpus)
     if not p.is_file():
         raise RuntimeUserError(f"corpus {corpus}: no such file; pass --corpus FILE (any UTF-8 text)")
     if tokens < 2 or window < 1:
         raise RuntimeUserError("--tokens must be >= 2 and --window >= 1")
-    art = load(artifact, max_model_len=window + new_tokens + 64, kv_budget_mib=64, threads=threads,
-               prefill_dequant=prefill_dequant)
-    ref = load(reference, max_model_len=window + new_tokens + 64, kv_budget_mib=64, threads=threads)
+    # a budget for the whole window (the cache's pages are touched only as positions are written)
+    art = load(artifact, max_model_len=window + new_tokens + 64, kv_budget_mib=4096, threads=threads,
+               prefill_dequant=prefill_dequant, kv_dtype=kv_dtype)
+    ref = load(reference, max_model_len=window + new_tokens + 64, kv_budget_mib=4096, threads=threads,
+               kv_dtype=reference_kv_dtype)
     if art.tokenizer is None:
         raise RuntimeUserError(f"{artifact}: no tokenizer.json, cannot tokenize the corpus")
     text = p.read_text(encoding="utf-8", errors="replace")
@@ -76,6 +80,7 @@ def fidelity(artifact: str, reference: str, corpus: str, tokens: int = 4096, win
     if len(ids) < tokens + 1:
         raise RuntimeUserError(f"corpus {corpus} gives only {len(ids)} tokens; lower --tokens or use a longer file")
     return {"artifact": artifact, "reference": reference, "corpus": str(p), "window": window,
+            "kv_dtype": kv_dtype, "reference_kv_dtype": reference_kv_dtype,
             "prefill": next(k for k, v in PREFILL_MODES.items() if v is prefill_dequant),
             "teacher_forced": teacher_forced(art, ref, ids, window),
             "greedy": greedy(art, ref, prompts or default_prompts(), new_tokens)}

@@ -25,8 +25,8 @@ from sparkq.formats.layout import ROWS32
 from sparkq.formats.spec import rope_tables_bf16
 
 from . import core
-from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_MAX_MODEL_LEN, LoadInfo, check_fits, fix_malloc_mmap_threshold,
-                     kv_capacity, resolve)
+from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, LoadInfo, check_fits,
+                     check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
 from .errors import RuntimeUserError
 from .generate import Generator
 from .tokenizer import ChatTokenizer
@@ -73,7 +73,7 @@ def _clinear(name: str, li, t: dict) -> core.CLinear:
 
 class LiteModel(Generator):
     def __init__(self, art: Artifact, path, *, max_model_len: int, kv_budget_mib: float, threads: int, lib, hub: dict,
-                 slots: int = 1):
+                 slots: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE):
         t0 = time.perf_counter()
         spec = self.spec = art.spec
         self.art, self.lib = art, lib
@@ -82,10 +82,18 @@ class LiteModel(Generator):
         if slots < 1:
             raise RuntimeUserError(f"the KV cache needs at least one sequence slot, got {slots}")
         # fixed slots: the budget split evenly, each slot a whole sequence's cache (serving.py)
-        cap = kv_capacity(spec, max_model_len, kv_budget_mib / slots)
-        # bf16 bits [layers, slots, kv_heads, cap, head_dim]; pages are touched only as tokens are written
-        self.k = np.empty((spec.layers, slots, spec.kv_heads, cap, spec.head_dim), np.uint16)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        cap = kv_capacity(spec, max_model_len, kv_budget_mib / slots, kv_dtype)
+        # [layers, slots, kv_heads, cap, head_dim]: bf16 bits, or int8 codes with bf16 scales
+        # [layers, slots, kv_heads, cap]; pages are touched only as tokens are written
+        shape = (spec.layers, slots, spec.kv_heads, cap, spec.head_dim)
+        self.k = np.empty(shape, np.uint16 if kv_dtype == "bf16" else np.int8)
         self.v = np.empty_like(self.k)
+        self.k_scale = self.v_scale = None
+        if kv_dtype == "int8":
+            self.k_scale = np.empty(shape[:-1], np.uint16)
+            self.v_scale = np.empty_like(self.k_scale)
+        self.kv_nbytes = sum(a.nbytes for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
         self.cap, self.slots = cap, slots
         self.slot_elems = spec.kv_heads * cap * spec.head_dim  # the element offset between slots
         ropes = {}  # spec.layer_rope_key -> (cos, sin) bf16 bits [max_model_len, rot], one per distinct key
@@ -102,7 +110,8 @@ class LiteModel(Generator):
         vectors = {n: t[n] for n in spec.vector_shapes()}
         self.session = core.Session(lib, spec, linears, vectors, per_layer, self.k, self.v, cap, threads=threads,
                                     attn_scale=core.attn_scale(spec),
-                                    embed_mult=_bf16_round(spec.hidden ** 0.5) if spec.embed_scale else 0.0)
+                                    embed_mult=_bf16_round(spec.hidden ** 0.5) if spec.embed_scale else 0.0,
+                                    kscale=self.k_scale, vscale=self.v_scale)
         config = art.config
         tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
         super().__init__(tok)
@@ -110,7 +119,8 @@ class LiteModel(Generator):
         extra["decode_path"] = f"c ({core.build_name(lib)}, {threads} threads, lite: no torch)"
         extra["prefill_path"] = "c"
         extra["threads"] = threads
-        self.info = LoadInfo(str(path), "artifact", art.layout, time.perf_counter() - t0, cap, self.k.nbytes * 2,
+        extra["kv_dtype"] = kv_dtype
+        self.info = LoadInfo(str(path), "artifact", art.layout, time.perf_counter() - t0, cap, self.kv_nbytes,
                              self.rope_bytes, max_model_len, extra)
 
     @property
@@ -143,10 +153,13 @@ class LiteModel(Generator):
 
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
-         threads: int | None = None, verify: bool = False, slots: int = 1) -> LiteModel:
+         threads: int | None = None, verify: bool = False, slots: int = 1,
+         kv_dtype: str = DEFAULT_KV_DTYPE) -> LiteModel:
     """A rows32 artifact (local dir or Hub repo id) on the torch-free runtime (see module doc);
-    ``slots``: sequences the KV cache holds at once (the budget split evenly; serving.py)."""
+    ``slots``: sequences the KV cache holds at once (the budget split evenly; serving.py);
+    ``kv_dtype``: the KV cache's element type (common.KV_DTYPES)."""
     t0 = time.perf_counter()
+    check_kv_dtype(kv_dtype)
     fix_malloc_mmap_threshold()
     path, hub = resolve(str(path_or_repo_id), layouts=[ROWS32])
     try:
@@ -169,6 +182,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, art.spec.max_position)
     m = LiteModel(art, path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib,
-                  threads=int(threads) if threads else physical_cores(), lib=lib, hub=hub, slots=slots)
+                  threads=int(threads) if threads else physical_cores(), lib=lib, hub=hub, slots=slots,
+                  kv_dtype=kv_dtype)
     m.info.load_seconds = time.perf_counter() - t0
     return m

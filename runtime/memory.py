@@ -51,6 +51,8 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
     for name, t in m.norms.items():
         out.append(("norms", name, t))
     out += [("kv cache", "kv.k", m.cache.k), ("kv cache", "kv.v", m.cache.v)]
+    if m.cache.k_scale is not None:
+        out += [("kv cache", "kv.k_scale", m.cache.k_scale), ("kv cache", "kv.v_scale", m.cache.v_scale)]
     for i, r in enumerate(m.ropes):
         out += [("rope tables", f"rope{i}.cos", r.cos), ("rope tables", f"rope{i}.sin", r.sin)]
     scratch = next((lin.scratch for lin in m.lin.values() if isinstance(lin, Int4Linear)), None)
@@ -108,7 +110,8 @@ def child(args: dict) -> dict:
     _stage("import sparkq", stages)
     from sparkq.runtime.options import LabOptions
 
-    kw = {k: args[k] for k in ("max_model_len", "kv_budget_mib", "threads", "rope_len_from_config") if args.get(k) is not None}
+    kw = {k: args[k] for k in ("max_model_len", "kv_budget_mib", "threads", "rope_len_from_config", "kv_dtype")
+          if args.get(k) is not None}
     lab = LabOptions(rope_len_from_config=bool(kw.get("rope_len_from_config")))
     with RssSampler(0.002) as s:
         m = rt.load(args["artifact"], lab=lab, **{k: v for k, v in kw.items() if k != "rope_len_from_config"})
@@ -122,7 +125,9 @@ def child(args: dict) -> dict:
     _stage("after generation", stages)
     return {
         "artifact": args["artifact"],
-        "settings": {**kw, "kv_capacity": m.capacity, "threads": torch.get_num_threads()},
+        "settings": {**kw, "kv_capacity": m.capacity, "kv_dtype": m.model.cache.dtype,
+                     "kv_bytes_per_token": m.model.cache.bytes_per_token(m.model.spec, m.model.cache.dtype),
+                     "threads": torch.get_num_threads()},
         "stages": stages,
         "import_cost_mib": {"torch": stages[1]["rss_anon_mib"] + stages[1]["rss_file_mib"] - stages[0]["rss_anon_mib"] - stages[0]["rss_file_mib"],
                             "sparkq": stages[2]["rss_anon_mib"] + stages[2]["rss_file_mib"] - stages[1]["rss_anon_mib"] - stages[1]["rss_file_mib"]},

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from sparkq.formats.spec import ModelSpec, rope_tables_bf16
 
-from .common import REFINE_SPLIT, REFINE_TOP, check_fits, kv_bytes_per_token
+from .common import DEFAULT_KV_DTYPE, REFINE_SPLIT, REFINE_TOP, check_fits, check_kv_dtype, kv_bytes_per_token
 from .errors import RuntimeUserError
 
 
@@ -54,24 +54,60 @@ class LayerCfg:
 
 
 class KVCache:
-    """Allocated once: [layers, kv_heads, capacity, head_dim] bf16 for k and for v."""
+    """Allocated once: k and v [layers, kv_heads, capacity, head_dim], bf16, or int8 codes with
+    bf16 scales k_scale, v_scale [layers, kv_heads, capacity] (one per position and KV head; the
+    C core's layout, csrc/sq_abi.h, which reads and writes these same buffers)."""
 
-    def __init__(self, spec: ModelSpec, capacity: int):
+    def __init__(self, spec: ModelSpec, capacity: int, dtype: str = DEFAULT_KV_DTYPE):
         shape = (spec.layers, spec.kv_heads, capacity, spec.head_dim)
         # empty, not zeros: pages are touched only as tokens are written (zeroing 192 MiB cost
         # 0.29 s of load and made the whole budget resident); no read ever reaches an unwritten
         # position (attention reads [start, end) after writing up to end)
-        self.k = torch.empty(shape, dtype=torch.bfloat16)
-        self.v = torch.empty(shape, dtype=torch.bfloat16)
+        self.dtype = check_kv_dtype(dtype)
+        self.k = torch.empty(shape, dtype=torch.bfloat16 if dtype == "bf16" else torch.int8)
+        self.v = torch.empty_like(self.k)
+        self.k_scale = self.v_scale = None
+        if dtype == "int8":
+            self.k_scale = torch.empty(shape[:-1], dtype=torch.bfloat16)
+            self.v_scale = torch.empty_like(self.k_scale)
         self.capacity = capacity
 
     @staticmethod
-    def bytes_per_token(spec: ModelSpec) -> int:
-        return kv_bytes_per_token(spec)
+    def bytes_per_token(spec: ModelSpec, dtype: str = DEFAULT_KV_DTYPE) -> int:
+        return kv_bytes_per_token(spec, dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * 2 + self.v.numel() * 2
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [..., D] -> int8 codes and bf16 scales [...]: the C core's quant_row_q8 (s =
+        bf16(max|x| / 127), code = round-half-even(x / s) within +-127, 0 where s is 0)"""
+        xf = x.float()
+        s = (xf.abs().amax(-1) / 127).to(torch.bfloat16)
+        sf = s.float()[..., None]
+        q = torch.where(sf > 0, xf / torch.where(sf > 0, sf, 1), 0).round_().clamp_(-127, 127).to(torch.int8)
+        return q, s
+
+    def write(self, layer: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [kv_heads, T, D] of positions pos0.. into the layer's cache"""
+        end = pos0 + k.shape[1]
+        if self.dtype == "bf16":
+            self.k[layer, :, pos0:end] = k
+            self.v[layer, :, pos0:end] = v
+            return
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = self.quantize(x)
+            codes[layer, :, pos0:end] = q
+            scales[layer, :, pos0:end] = s
+
+    def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys and values [kv_heads, end - start, D] in bf16 (int8: code * scale in fp32, rounded)"""
+        if self.dtype == "bf16":
+            return self.k[layer, :, start:end], self.v[layer, :, start:end]
+        return tuple((c[layer, :, start:end].float() * s[layer, :, start:end, None].float()).to(torch.bfloat16)
+                     for c, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
@@ -84,7 +120,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool = False)
 
 class Model:
     def __init__(self, spec: ModelSpec, linears: dict, norms: dict[str, torch.Tensor], *,
-                 max_model_len: int, kv_capacity: int, rope_len: int | None = None):
+                 max_model_len: int, kv_capacity: int, rope_len: int | None = None, kv_dtype: str = DEFAULT_KV_DTYPE):
         self.spec = spec
         self.lin = linears
         self.norms = norms
@@ -100,7 +136,7 @@ class Model:
                 ropes[key] = Rope(spec, rope_len or max_model_len, i)
             self.layer_cfg.append(LayerCfg(ropes[key], window))
         self.ropes = list(ropes.values())
-        self.cache = KVCache(spec, kv_capacity)
+        self.cache = KVCache(spec, kv_capacity, kv_dtype)
         self.scale = spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)
         self.act = F.silu if spec.act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
         self.embed_mult = torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16) if spec.embed_scale else None
@@ -130,11 +166,9 @@ class Model:
         q = cfg.rope.apply(q, pos0)
         k = cfg.rope.apply(k, pos0)
         end = pos0 + t
-        self.cache.k[i, :, pos0:end] = k.transpose(0, 1)
-        self.cache.v[i, :, pos0:end] = v.view(t, s.kv_heads, s.head_dim).transpose(0, 1)
+        self.cache.write(i, pos0, k.transpose(0, 1), v.view(t, s.kv_heads, s.head_dim).transpose(0, 1))
         start = 0 if cfg.window is None else max(0, end - cfg.window - t + 1)
-        keys = self.cache.k[i, :, start:end]
-        vals = self.cache.v[i, :, start:end]
+        keys, vals = self.cache.read(i, start, end)
         if t == 1:  # decode: the cache slice is exactly the visible window, no mask needed
             return self.lin[f"layers.{i}.o"](self._decode_attention(q, keys, vals))
         qh = q.transpose(0, 1)  # [H, T, D]

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .common import DEFAULT_KV_DTYPE, check_kv_dtype
 from .errors import RuntimeUserError
 from .serving import Engine, QueueFull
 from .serving import Request as GenRequest
@@ -382,7 +383,8 @@ class Collected:
 
 
 def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,
-          max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print) -> None:
+          max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print,
+          kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
     import socket
 
     import uvicorn
@@ -397,13 +399,15 @@ def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str 
     except OSError as e:
         sock.close()
         raise RuntimeUserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
-    m = load(model_path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, slots=parallel)
+    check_kv_dtype(kv_dtype)  # before binding: a bad flag is a one-line error either way
+    m = load(model_path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, slots=parallel,
+             kv_dtype=kv_dtype)
     if m.tokenizer is None:
         raise RuntimeUserError(f"{model_path}: no tokenizer.json; the server needs the model's tokenizer")
     engine = Engine(m, max_queue=max_queue)
     name = model_name or (m.info.extra.get("hub") or {}).get("repo") or str(model_path).rstrip("/").split("/")[-1]
     app = App(engine, name, api_key)
-    echo(f"sparkq serve: {name} on http://{host}:{port}/v1 ({parallel} slots x {engine.slot_cap} tokens, "
+    echo(f"sparkq serve: {name} on http://{host}:{port}/v1 ({parallel} slots x {engine.slot_cap} tokens, {kv_dtype} KV, "
          f"{m.session.threads} threads{', API key required' if api_key else ''})")
     try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
         uvicorn.Server(uvicorn.Config(app.asgi, host=host, port=port, log_level="warning", access_log=False)).run(

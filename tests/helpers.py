@@ -46,7 +46,7 @@ def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=
     cfg = getattr(transformers, "Gemma3TextConfig" if arch == "gemma3" else f"{name}Config")(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-        tie_word_embeddings=tied, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, max_position_embeddings=extra.pop("max_position_embeddings", 512), rms_norm_eps=1e-5,
         rope_theta=10000.0, head_dim=head_dim or hidden // heads, eos_token_id=256, bos_token_id=None, **extra)
     model = getattr(transformers, f"{name}ForCausalLM")(cfg)
     with torch.no_grad():  # larger-than-default weights so errors are visible
@@ -117,7 +117,7 @@ def dequant_reference(loaded, dtype=torch.float32):
         dense[n] = DenseLinear(n, w.to(dtype))
     m = loaded.model
     ref = Model(m.spec, dense, {k: v.to(dtype) for k, v in m.norms.items()}, max_model_len=m.max_model_len,
-                kv_capacity=m.cache.capacity)
+                kv_capacity=m.cache.capacity, kv_dtype="bf16")
     ref.cache.k, ref.cache.v = ref.cache.k.to(dtype), ref.cache.v.to(dtype)
     return ref
 

@@ -64,7 +64,7 @@ def _prefill_then_steps(m, seq, n=20):
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
 def test_family_bf16_vs_transformers(fam, kernel_build, family):
     src, _, seq, ref32, ref16 = family(fam)
-    m = load(str(src), max_model_len=64)
+    m = load(str(src), max_model_len=64, kv_dtype="bf16")  # bf16 throughout (the int8 cache: test_kvcache.py)
     assert m.info.extra["decode_path"].startswith(C_PATH), m.info.extra  # bf16 linears decode in C too
     ours = _prefill_then_steps(m, seq)
     # "within bf16 tolerance": no further from transformers-fp32 than transformers' own bf16 run is
@@ -81,7 +81,7 @@ def test_family_int4_against_its_dequantized_weights(fam, kernel_build, family):
     _, out, seq, _, _ = family(fam)
     art = Artifact.open(out)
     assert art.spec.family == fam.split("-")[0]
-    q = load(str(out), max_model_len=64)
+    q = load(str(out), max_model_len=64, kv_dtype="bf16")
     assert q.info.extra["decode_path"].startswith(C_PATH), q.info.extra
     t = torch.tensor(seq)
     a = q.model.forward(t, 0, last_only=False)

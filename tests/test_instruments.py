@@ -39,12 +39,15 @@ def test_mincore_residency_follows_touching(tmp_path):
 def test_ledger_arithmetic(tiny_tied_art, tiny_untied, tmp_path):
     from sparkq.convert.pipeline import Options, convert
     from sparkq.formats import Artifact
-    m = load(str(tiny_tied_art), max_model_len=64, kv_budget_mib=0.5)
-    led = ledger(m)
-    cats = led["categories"]
-    spec = m.model.spec
-    per_tok = 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
-    assert cats["kv cache"]["bytes"] == m.capacity * per_tok == m.info.kv_bytes
+    for kv in ("bf16", "int8"):
+        m = load(str(tiny_tied_art), max_model_len=64, kv_budget_mib=0.5, kv_dtype=kv)
+        led = ledger(m)
+        cats = led["categories"]
+        spec = m.model.spec
+        row = 2 * spec.head_dim if kv == "bf16" else spec.head_dim + 2  # int8 codes + one bf16 scale
+        per_tok = 2 * spec.layers * spec.kv_heads * row
+        assert cats["kv cache"]["bytes"] == m.capacity * per_tok == m.info.kv_bytes
+        assert cats["kv cache"]["regions"] == (2 if kv == "bf16" else 4)  # k, v (+ their scales)
     assert cats["rope tables"]["bytes"] == 2 * 64 * spec.head_dim * 2
     art = Artifact.open(tiny_tied_art)
     weights = sum(t.nbytes for n, t in art.infos.items() if not n.startswith("_pad."))
@@ -76,13 +79,20 @@ def test_fidelity_of_reference_against_itself(tiny_tied, tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     p = run_cli("sparkq", "fidelity", tiny_tied, "--reference", tiny_tied, "--corpus", corpus,
-                "--tokens", "200", "--window", "64", "--new-tokens", "8", "--json")
+                "--tokens", "200", "--window", "64", "--new-tokens", "8", "--kv-dtype", "bf16", "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     tf = r["teacher_forced"]
     assert tf["top1_agreement"] == 1.0 and tf["kl_mean"] == 0.0 and tf["tokens"] == 200
     assert tf["ppl_artifact"] == tf["ppl_reference"]
     assert r["greedy"]["identical"] == r["greedy"]["prompts"] == 12
+    # the artifact side on its default (int8) cache against the bf16 one: the cache alone, small
+    p = run_cli("sparkq", "fidelity", tiny_tied, "--reference", tiny_tied, "--corpus", corpus,
+                "--tokens", "200", "--window", "64", "--new-tokens", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert (r["kv_dtype"], r["reference_kv_dtype"]) == ("int8", "bf16")
+    assert 0 < r["teacher_forced"]["kl_mean"] < 0.01, r["teacher_forced"]
 
 
 def test_fidelity_int4_vs_reference(tiny_tied, tiny_tied_art, tmp_path):
@@ -104,12 +114,15 @@ def test_synth_convert_bench(tmp_path):
     s = json.loads(p.stdout)
     assert 130e6 < s["parameters"] < 140e6
     assert run_cli("spark-convert", tmp_path / "s", tmp_path / "q", "--quiet", "--method", "minmax").returncode == 0
-    p = run_cli("sparkq", "bench", tmp_path / "q", "--passes", "1", "--pp", "32", "--tg", "4",
+    p = run_cli("sparkq", "bench", tmp_path / "q", "--passes", "1", "--pp", "32", "--tg", "4", "--depth", "40",
                 "--arm", "nodeq=prefill_dequant=0", "--arm", "passive=OMP_WAIT_POLICY=PASSIVE", "--arm", "lite=lite=1",
-                "--json")
+                "--arm", "bf16kv=lite=1,kv_dtype=bf16", "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    assert set(r["arms"]) == {"control", "nodeq", "passive", "lite"}
+    assert set(r["arms"]) == {"control", "nodeq", "passive", "lite", "bf16kv"} and r["depth"] == 40
+    # the KV cache's element type per arm, and its real bytes (head_dim 64: 66 bytes a row against 128)
+    assert {n: a["kv_dtype"] for n, a in r["arms"].items()} == {**{n: "int8" for n in r["arms"]}, "bf16kv": "bf16"}
+    assert r["arms"]["bf16kv"]["kv_budget_mib"] / r["arms"]["lite"]["kv_budget_mib"] == pytest.approx(128 / 66, rel=0.01)
     for a in r["arms"].values():
         for m in ("load_s", "ttft_s", "pp_tok_s", "tg_tok_s", "peak_rss_mib", "settled_rss_mib", "run_peak_rss_mib",
                   "after_run_rss_mib"):

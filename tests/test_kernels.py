@@ -256,7 +256,7 @@ def _gemma3_exact(tmp_path, monkeypatch):
     # covers that head.
     convert(str(src), str(out), Options(progress=False, method="minmax", head="int8"))
     monkeypatch.setenv("SPARKQ_KERNEL", "exact")
-    return load(str(out), max_model_len=64)
+    return load(str(out), max_model_len=64, kv_dtype="bf16")  # up to the bf16 cache (int8: test_kvcache.py)
 
 
 def test_whole_step_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
@@ -341,7 +341,7 @@ def test_g32_prompts_go_through_the_c_core(tmp_path, kernel_build, kind):
     src = make_llama(tmp_path / "m", hidden=128, inter=384, layers=2)
     out = tmp_path / "q"
     convert(str(src), str(out), Options(progress=False, method="minmax", group_size=32, kind=kind))
-    q = load(str(out), max_model_len=64)
+    q = load(str(out), max_model_len=64, kv_dtype="bf16")  # the budgets below are the bf16 cache's
     m = q.model
     assert {lin.g for name, lin in m.lin.items() if name.startswith("layers.")} == {32}
     assert m.prefill_off is None and q.info.extra["prefill_path"] == "c"
@@ -368,7 +368,7 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     src = make_llama(tmp_path / "m", arch="mistral", layers=3, sliding_window=8, heads=heads, head_dim=head_dim)
     out = tmp_path / "m-int4"
     convert(str(src), str(out), Options(progress=False, method="minmax"))
-    q = load(str(out), max_model_len=64)
+    q = load(str(out), max_model_len=64, kv_dtype="bf16")  # the budgets below are the bf16 cache's
     m = q.model
     assert m.prefill_off is None and m.layer_cfg[0].window == 8
     assert (m.fast.lib.sq_simd(), m.fast.lib.sq_prefill_bf16()) == K_.EXPECT[kernel_build]
@@ -421,7 +421,7 @@ def test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8(tmp_path, ker
     src = make_llama(tmp_path / "m", layers=3)
     out = tmp_path / "m-int4"
     convert(str(src), str(out), Options(progress=False, method="minmax"))
-    q = load(str(out), max_model_len=64)
+    q = load(str(out), max_model_len=64, kv_dtype="bf16")  # the budgets below are the bf16 cache's
     m = q.model
     assert m.prefill_off is None and m.fast.lib.sq_prefill_bf16()
     t = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3))
@@ -430,7 +430,7 @@ def test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8(tmp_path, ker
     c = m.forward(t, 0, last_only=False)
     k0, v0 = m.cache.k.clone(), m.cache.v.clone()
     monkeypatch.setenv("SPARKQ_KERNEL", "avx512-vnni")
-    a8 = load(str(out), max_model_len=64).model.forward(t, 0, last_only=False)
+    a8 = load(str(out), max_model_len=64, kv_dtype="bf16").model.forward(t, 0, last_only=False)
 
     def err(y):  # per position: max error against fp32 compute, in units of bf16 compute's error
         return ((y - b32).abs().amax(-1) / (b16 - b32).abs().amax(-1)).sort().values
@@ -453,7 +453,7 @@ def test_simd_and_scalar_steps_agree_and_positions_are_checked(tiny_tied_art, mo
     models = {}
     for v in (build, "scalar"):
         monkeypatch.setenv("SPARKQ_KERNEL", v)
-        models[v] = load(str(tiny_tied_art), max_model_len=32).model
+        models[v] = load(str(tiny_tied_art), max_model_len=32, kv_dtype="bf16").model
         with pytest.raises(RuntimeUserError, match="beyond the KV cache"):
             models[v].forward(torch.tensor([5]), models[v].cache.capacity)
     nat, sca = models[build], models["scalar"]
@@ -546,7 +546,8 @@ def test_abi_mirror_is_checked_against_the_library():
             return abi.ABI
 
         def sq_abi_desc(self):
-            return lib.sq_abi_desc().replace(b"eps@88", b"eps@96")
+            at = abi.SqModel.eps.offset
+            return lib.sq_abi_desc().replace(f"eps@{at}".encode(), f"eps@{at + 8}".encode())
 
     with pytest.raises(K_.KernelUnavailable, match="struct sq_model is laid out as"):
         abi.check(Moved(), "libx.so")

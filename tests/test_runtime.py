@@ -119,10 +119,14 @@ def test_rope_and_kv_sizing(tiny_tied):
     m = load(str(tiny_tied), max_model_len=100, kv_budget_mib=1)
     spec = m.model.spec
     assert len(m.model.ropes) == 1 and m.model.ropes[0].cos.shape == (100, spec.head_dim)
-    per_tok = 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
-    m2 = load(str(tiny_tied), max_model_len=512, kv_budget_mib=0.25)
-    assert m2.capacity == min(512, int(0.25 * 2**20) // per_tok)
-    assert m2.info.kv_bytes == m2.capacity * per_tok
+    # bf16 rows, or int8 rows + one bf16 scale per (position, KV head): written out, not from common.py
+    for kv, row in (("bf16", 2 * spec.head_dim), ("int8", spec.head_dim + 2)):
+        per_tok = 2 * spec.layers * spec.kv_heads * row
+        m2 = load(str(tiny_tied), max_model_len=512, kv_budget_mib=0.25, kv_dtype=kv)
+        assert m2.capacity == min(512, int(0.25 * 2**20) // per_tok)
+        assert m2.info.kv_bytes == m2.model.cache.nbytes == m2.capacity * per_tok
+    with pytest.raises(RuntimeUserError, match="--kv-dtype bf16 or int8"):
+        load(str(tiny_tied), max_model_len=64, kv_dtype="fp8")
 
 
 def test_refusals_before_compute(tiny_tied_art):
@@ -206,7 +210,7 @@ def test_example_prefill_arms_agree(example_art, kernel_build):
     dense = {n: DenseLinear(n, dequantize_codes(unpack(l.qweight, l.layout, l.n, l.k), l.scales_zeros, l.g,
                                                   torch.float32)) for n, l in on.model.lin.items()}
     ref = Model(on.model.spec, dense, {k: v.float() for k, v in on.model.norms.items()}, max_model_len=512,
-                kv_capacity=512)
+                kv_capacity=512, kv_dtype="bf16")  # the arms below: the default int8 cache
     ref.cache.k, ref.cache.v = ref.cache.k.float(), ref.cache.v.float()
     lr = ref.forward(torch.tensor(ids), 0, last_only=False).log_softmax(-1)
     greedy = list(on.stream_ids(ids, max_new_tokens=16))

@@ -55,13 +55,15 @@ def variants(serve_art, tmp_path_factory):
 PROMPTS = ["hello there", "the quick brown fox jumps over the lazy dog " * 2, "a", "0123456789" * 9, "zz top"]
 
 
-@pytest.mark.parametrize("variant", ["default", "lut4-g32-int8head", "int4-g64-split", "qwen2-bias"])
+@pytest.mark.parametrize("variant", ["default", "default@bf16", "lut4-g32-int8head", "int4-g64-split", "qwen2-bias"])
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, variant, kernel_build):
     """The batched decode step's rows are the single-sequence step's logits exactly (the same
-    products per token, each sequence's attention over its own slot), alone, paired or reordered."""
-    serve_art = variants[variant]
-    batch, single = _lite(serve_art, 3), _lite(serve_art, 1)
+    products per token, each sequence's attention over its own slot), alone, paired or reordered;
+    with the default int8 KV cache and (@bf16) the bf16 one."""
+    name, _, kv = variant.partition("@")
+    serve_art, kw = variants[name], {"kv_dtype": kv} if kv else {}
+    batch, single = _lite(serve_art, 3, **kw), _lite(serve_art, 1, **kw)
     s, tok = batch.session, batch.tokenizer
     ids = [tok.encode(p) for p in PROMPTS[:3]]
     offs = [i * batch.slot_elems for i in range(3)]
@@ -78,7 +80,7 @@ def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, varia
         assert np.array_equal(s.step_many([nxt[i] for i in sub], [pos[i] for i in sub], [offs[i] for i in sub]),
                               logits[sub]), sub
     # five sequences: a full group of four tokens and one more (the AVX2 products' token tiles)
-    five = _lite(serve_art, 5)
+    five = _lite(serve_art, 5, **kw)
     offs5 = [i * five.slot_elems for i in range(5)]
     ids5 = [tok.encode(p) for p in PROMPTS]
     for i, p in enumerate(ids5):
@@ -89,6 +91,24 @@ def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, varia
         assert np.array_equal(got[i], single.step(7, len(p))), i
     with pytest.raises(Exception, match="beyond the KV cache"):
         s.step_many([1], [batch.cap], [0])
+
+
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_step_many_over_contexts_of_several_attention_blocks(serve_art, kv, kernel_build):
+    """Sequences whose contexts span 1, 2 and 4 of the decode attention's 128-key blocks (split
+    over the threads, reduced per sequence) in one batched step: each row still sq_step's bits."""
+    batch, single = (_lite(serve_art, n, max_model_len=510, kv_budget_mib=16, kv_dtype=kv) for n in (3, 1))
+    rng = np.random.default_rng(0)
+    lens = [5, 250, 500]
+    ids = [rng.integers(0, 256, n).tolist() for n in lens]
+    offs = [i * batch.slot_elems for i in range(3)]
+    for i, p in enumerate(ids):
+        batch.session.prefill(p, 0, kvoff=offs[i])
+    got = batch.session.step_many([9, 9, 9], lens, offs)
+    for i, p in enumerate(ids):
+        single.prefill(p)
+        assert np.array_equal(got[i], single.step(9, lens[i])), i
 
 
 def _engine(art, slots=4, **kw):

@@ -12,7 +12,7 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 9
+ABI = 10
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -24,12 +24,12 @@ class SqLinear(ctypes.Structure):
 class SqLayer(ctypes.Structure):
     _fields_ = [("qkv", SqLinear), ("o", SqLinear), ("gate_up", SqLinear), ("down", SqLinear)] + [
         (n, _P) for n in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "cos", "sin",
-                          "kcache", "vcache")] + [("rot", _I), ("window", _I)]
+                          "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I)]
 
 
 class SqModel(ctypes.Structure):
     _fields_ = [(n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "cap", "act",
-                                  "norm_offset", "refine_top")] + [
+                                  "norm_offset", "refine_top", "kv_int8")] + [
         (n, _D) for n in ("eps", "attn_scale", "embed_mult")] + [
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)]
 

@@ -67,13 +67,14 @@ class Session:
 
     linears: name -> CLinear (formats names: layers.L.qkv ..., lm_head, embed if untied);
     vectors: name -> bf16 buffer (norms, the qkv bias); ropes: per layer (cos, sin) bf16
-    [rope_len, rotary_dim]; kcache, vcache: per layer bf16 [kv_heads, cap, head_dim]."""
+    [rope_len, rotary_dim]; kcache, vcache: per layer [(slots,) kv_heads, cap, head_dim], bf16, or
+    int8 codes with kscale, vscale: per layer bf16 [(slots,) kv_heads, cap] (x = code * scale)."""
 
     def __init__(self, lib, spec, linears: dict, vectors: dict, ropes: list, kcache, vcache, cap: int, *,
-                 threads: int, attn_scale: float, embed_mult: float = 0.0):
+                 threads: int, attn_scale: float, embed_mult: float = 0.0, kscale=None, vscale=None):
         self.lib, self.spec, self.cap, self.threads = lib, spec, cap, int(threads)
         self.prefill_chunk = PREFILL_CHUNK
-        self._keep = [linears, vectors, ropes, kcache, vcache]  # every buffer the structs point into
+        self._keep = [linears, vectors, ropes, kcache, vcache, kscale, vscale]  # every buffer the structs point into
         layers = (abi.SqLayer * spec.layers)()
         for i in range(spec.layers):
             L = layers[i]
@@ -88,6 +89,8 @@ class Session:
             L.cos, L.sin = ptr(ropes[i][0]), ptr(ropes[i][1])
             L.rot, L.window = rot, window or 0
             L.kcache, L.vcache = ptr(kcache[i]), ptr(vcache[i])
+            if kscale is not None:
+                L.kscale, L.vscale = ptr(kscale[i]), ptr(vscale[i])
         head = linears[C.ROLE_LM_HEAD]
         m = self.m = abi.SqModel()
         m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim = spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
@@ -97,6 +100,7 @@ class Session:
         # the top logits are recomputed exactly (a split head: from both planes), as the torch
         # runtime's Model._refine_top / _refine_split do
         m.refine_top = REFINE_SPLIT if head.res is not None else REFINE_TOP
+        m.kv_int8 = int(kscale is not None)
         m.eps, m.attn_scale, m.embed_mult = spec.rms_eps, attn_scale, embed_mult
         self.layers = layers
         m.layer = ctypes.cast(layers, ctypes.POINTER(abi.SqLayer))

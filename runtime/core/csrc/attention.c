@@ -1,79 +1,344 @@
-/* Attention over the bf16 KV cache in fp32: one query token per head (decode: attention) and a
- * chunk of prompt tokens (attention_many), causal and optionally sliding-window. */
+/* Attention in fp32 over the KV cache (bf16, or int8 codes with a bf16 scale per position and KV
+ * head): one query token (decode: attention, attend_item / attend_finish) and a chunk of prompt
+ * tokens (attention_many), causal and optionally sliding-window. */
 
-/* -- one query token (the decode step) -- */
+/* -- one query token (the decode step) --
+ * Flash-decoding: the keys a token sees, [start, end), are cut into blocks of KVB positions from
+ * start; a work item is (KV head, block): the grp query heads sharing that KV head read each K and
+ * V row of the block once and leave a partial result (their max score, sum of exponentials and
+ * unnormalized output); attend_finish combines a head's blocks in block order. Long contexts so
+ * spread over every thread (split-K), short ones over the KV heads. The cut depends on (start, end)
+ * only, so a token's bits depend neither on the thread count nor on the other sequences of a batch. */
+#define KVB 128
 
-#ifdef SQ_AVX512
-/* One head over keys [start, end) with head_dim 16 NV: the (scaled) query and then the output
- * in NV registers each; scores by one horizontal sum per key, exp on 16 keys at a time */
-static inline __attribute__((always_inline)) void attention_head512(const float *q, const uint16_t *K, const uint16_t *V,
-                                                                    int64_t start, int64_t end, float scale, float *sc,
-                                                                    float *o, const int NV) {
-    const int64_t D = 16 * NV;
-    __m512 qv[16], ov[16];
-    for (int v = 0; v < NV; v++) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * v), _mm512_set1_ps(scale));
-    float mx = -INFINITY;
-    for (int64_t t = start; t < end; t++) {
-        __m512 a = _mm512_mul_ps(load_bf16x16(K + t * D), qv[0]);
-        for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(load_bf16x16(K + t * D + 16 * v), qv[v], a);
-        const float d = _mm512_reduce_add_ps(a);
-        sc[t] = d;
-        mx = d > mx ? d : mx;
+typedef struct { const void *k, *v; const uint16_t *ks, *vs; } kv_rows; /* one KV head's rows [cap, D] (+ scales) */
+
+static inline kv_rows kv_head(const sq_model *m, const sq_layer *L, int64_t g) {
+    const int64_t o = g * m->cap * m->head_dim;
+    kv_rows r;
+    if (m->kv_int8) {
+        r.k = (const int8_t *)L->kcache + o, r.v = (const int8_t *)L->vcache + o;
+        r.ks = L->kscale + g * m->cap, r.vs = L->vscale + g * m->cap;
+    } else {
+        r.k = (const uint16_t *)L->kcache + o, r.v = (const uint16_t *)L->vcache + o;
+        r.ks = r.vs = NULL;
     }
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = start; t < end; t += 16) {
-        const __mmask16 k = rows_mask(end - t);
-        const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), _mm512_set1_ps(mx))));
-        _mm512_mask_storeu_ps(sc + t, k, e);
-        sum = _mm512_add_ps(sum, e);
+    return r;
+}
+
+static inline int64_t attn_blocks(int64_t start, int64_t end) { return (end - start + KVB - 1) / KVB; }
+
+/* floats of one work item's partial result: grp x D outputs, then grp maxima, then grp sums */
+static inline int64_t part_floats(const sq_model *m) { return (m->heads / m->kv_heads) * (m->head_dim + 2); }
+
+static inline float kv_at(const void *p, int64_t i, int i8) {
+    return i8 ? (float)((const int8_t *)p)[i] : bf(((const uint16_t *)p)[i]);
+}
+
+/* The reference: G query heads qs [G, D] over keys [t0, t1) of kv, score = scale * q.k; per head
+ * i the max score mx[i], the sum of exponentials sm[i] and o[i*D..] = sum_t e^(score - mx) v_t.
+ * sc: [G, KVB] scratch (the scores, then the weights of the V rows: e^(score - mx) times the V
+ * scale). The scores round as the prompt path's portable loop does (the dot, then the scale). */
+static void attend_block_ref(kv_rows kv, int i8, int64_t D, const float *qs, float scale, int G, int64_t t0,
+                             int64_t t1, float *sc, float *o, float *mx, float *sm) {
+    const int64_t n = t1 - t0;
+    for (int64_t t = 0; t < n; t++) {
+        const float s = i8 ? bf(kv.ks[t0 + t]) * scale : scale;
+        for (int i = 0; i < G; i++) {
+            float acc = 0.f;
+            for (int64_t d = 0; d < D; d++) acc += qs[i * D + d] * kv_at(kv.k, (t0 + t) * D + d, i8);
+            sc[i * KVB + t] = acc * s;
+        }
     }
-    const float inv = 1.f / _mm512_reduce_add_ps(sum);
-    for (int v = 0; v < NV; v++) ov[v] = _mm512_setzero_ps();
-    for (int64_t t = start; t < end; t++) {
-        const __m512 p = _mm512_set1_ps(sc[t]);
-        for (int v = 0; v < NV; v++) ov[v] = _mm512_fmadd_ps(load_bf16x16(V + t * D + 16 * v), p, ov[v]);
+    for (int i = 0; i < G; i++) {
+        float *p = sc + i * KVB, m_ = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < n; t++) m_ = p[t] > m_ ? p[t] : m_;
+        for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - m_); sum += p[t]; }
+        if (i8)
+            for (int64_t t = 0; t < n; t++) p[t] *= bf(kv.vs[t0 + t]);
+        mx[i] = m_, sm[i] = sum;
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0.f;
+            for (int64_t t = 0; t < n; t++) acc += p[t] * kv_at(kv.v, (t0 + t) * D + d, i8);
+            o[i * D + d] = acc;
+        }
     }
-    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(ov[v], _mm512_set1_ps(inv)));
+}
+
+#ifdef SQ_AVX2
+static inline __attribute__((always_inline)) __m256 kv8(const void *p, int64_t i, const int i8) {
+    if (i8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
+    return load_bf8((const uint16_t *)p + i);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+}
+
+/* [sum a, sum b, sum c, sum d] */
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* n (2 or 4) bf16 -> fp32 lanes 0..n-1 (no read past them) */
+static inline __m128 load_bf4(const uint16_t *p, int n) {
+    const __m128i h = n == 4 ? _mm_loadl_epi64((const __m128i *)p) : _mm_cvtsi32_si128(*(const int32_t *)p);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+/* K and V rows ahead of the scores loop (the caches stream from memory at long contexts: without
+ * the hint the step waited on each row's line; KV_AHEAD rows ahead covers the latency) */
+#ifndef KV_AHEAD
+#define KV_AHEAD 16
+#endif
+static inline __attribute__((always_inline)) void kv_prefetch(kv_rows kv, const int i8, int64_t D, int64_t t) {
+    const int64_t bytes = D * (i8 ? 1 : 2), at = t * bytes;
+    for (int64_t o = 0; o < bytes; o += 64) {
+        __builtin_prefetch((const char *)kv.k + at + o);
+        __builtin_prefetch((const char *)kv.v + at + o);
+    }
+}
+
+/* lanes < left of 8 */
+static inline __m256i mask8(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* attend_block_ref on 8 lanes, G (<= 8) and the cache type fixed at compile time; D % 8 == 0.
+ * Scores: each K row converted once for the G heads; V: G x 16 (or 8) outputs in registers over
+ * the block's rows. */
+static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, const int i8, int64_t D, const float *qs,
+                                                                    float scale, const int G, int64_t t0, int64_t t1,
+                                                                    float *sc, float *o, float *mx, float *sm) {
+    const int64_t n = t1 - t0;
+    for (int64_t t = 0; t < KV_AHEAD && t < n; t++) kv_prefetch(kv, i8, D, t0 + t);
+    /* scores, KT keys at a time (their G x KT dot products in registers, 4 sums reduced at once) */
+    const int KT = G <= 3 ? 4 : G <= 6 ? 2 : 1;
+    int64_t t = 0;
+    for (; KT > 1 && t + KT <= n; t += KT) {
+        __m256 acc[12];
+        for (int j = 0; j < KT * G; j++) acc[j] = _mm256_setzero_ps();
+        for (int u = 0; u < KT; u++) kv_prefetch(kv, i8, D, t0 + t + u + KV_AHEAD);
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 k[4];
+            for (int u = 0; u < KT; u++) k[u] = kv8(kv.k, (t0 + t + u) * D + d, i8);
+            for (int i = 0; i < G; i++) {
+                const __m256 qv = _mm256_loadu_ps(qs + i * D + d);
+                for (int u = 0; u < KT; u++) acc[u * G + i] = _mm256_fmadd_ps(qv, k[u], acc[u * G + i]);
+            }
+        }
+        const __m128 s4 = i8 ? _mm_mul_ps(load_bf4(kv.ks + t0 + t, KT), _mm_set1_ps(scale)) : _mm_set1_ps(scale);
+        for (int i = 0; i < G; i++) {
+            const __m128 r = _mm_mul_ps(KT == 4 ? hsum4x8(acc[i], acc[G + i], acc[2 * G + i], acc[3 * G + i])
+                                                : hsum4x8(acc[i], acc[G + i], acc[i], acc[G + i]), s4);
+            if (KT == 4) _mm_storeu_ps(sc + i * KVB + t, r);
+            else _mm_storel_pi((__m64 *)(sc + i * KVB + t), r);
+        }
+    }
+    for (; t < n; t++) {
+        __m256 acc[8];
+        for (int i = 0; i < G; i++) acc[i] = _mm256_setzero_ps();
+        const int64_t row = (t0 + t) * D;
+        kv_prefetch(kv, i8, D, t0 + t + KV_AHEAD);
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 k = kv8(kv.k, row + d, i8);
+            for (int i = 0; i < G; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + i * D + d), k, acc[i]);
+        }
+        const float s = i8 ? bf(kv.ks[t0 + t]) * scale : scale;
+        for (int i = 0; i < G; i++) sc[i * KVB + t] = hsum8(acc[i]) * s;
+    }
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < G; i++) {
+        float *p = sc + i * KVB;
+        __m256 vm = ninf, vsum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t += 8) {
+            const __m256i k = mask8(n - t);
+            vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_maskload_ps(p + t, k), _mm256_castsi256_ps(k)));
+        }
+        const float m_ = hmax8(vm);
+        for (int64_t t = 0; t < n; t += 8) {
+            const __m256i k = mask8(n - t);
+            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(p + t, k), _mm256_set1_ps(m_))),
+                                           _mm256_castsi256_ps(k));
+            vsum = _mm256_add_ps(vsum, e);
+            _mm256_maskstore_ps(p + t, k, e);
+        }
+        mx[i] = m_, sm[i] = hsum8(vsum);
+        if (i8) {
+            int64_t t = 0;
+            for (; t + 8 <= n; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), load_bf8(kv.vs + t0 + t)));
+            for (; t < n; t++) p[t] *= bf(kv.vs[t0 + t]);
+        }
+    }
+    int64_t d = 0;
+    if (G <= 3) /* 4G accumulators: enough independent FMA chains to fill both pipes */
+        for (; d + 32 <= D; d += 32) {
+            __m256 a[3][4];
+            for (int i = 0; i < G; i++)
+                for (int c = 0; c < 4; c++) a[i][c] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                __m256 w[3];
+                for (int i = 0; i < G; i++) w[i] = _mm256_broadcast_ss(sc + i * KVB + t);
+                for (int c = 0; c < 4; c++) {
+                    const __m256 v = kv8(kv.v, (t0 + t) * D + d + 8 * c, i8);
+                    for (int i = 0; i < G; i++) a[i][c] = _mm256_fmadd_ps(w[i], v, a[i][c]);
+                }
+            }
+            for (int i = 0; i < G; i++)
+                for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i * D + d + 8 * c, a[i][c]);
+        }
+    if (G <= 6)
+        for (; d + 16 <= D; d += 16) {
+            __m256 a0[6], a1[6];
+            for (int i = 0; i < G; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const __m256 v0 = kv8(kv.v, (t0 + t) * D + d, i8), v1 = kv8(kv.v, (t0 + t) * D + d + 8, i8);
+                for (int i = 0; i < G; i++) {
+                    const __m256 w = _mm256_broadcast_ss(sc + i * KVB + t);
+                    a0[i] = _mm256_fmadd_ps(w, v0, a0[i]);
+                    a1[i] = _mm256_fmadd_ps(w, v1, a1[i]);
+                }
+            }
+            for (int i = 0; i < G; i++) {
+                _mm256_storeu_ps(o + i * D + d, a0[i]);
+                _mm256_storeu_ps(o + i * D + d + 8, a1[i]);
+            }
+        }
+    for (; d < D; d += 8) {
+        __m256 a0[8];
+        for (int i = 0; i < G; i++) a0[i] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 v0 = kv8(kv.v, (t0 + t) * D + d, i8);
+            for (int i = 0; i < G; i++) a0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + i * KVB + t), v0, a0[i]);
+        }
+        for (int i = 0; i < G; i++) _mm256_storeu_ps(o + i * D + d, a0[i]);
+    }
 }
 #endif
 
-/* One query head q over keys [start, end) of one KV head's cache rows K, V (bf16 [*, D]):
- * o (fp32 [D]) = softmax(scale q.K) V, sc: scratch for the scores (indexed by position) */
-static void attend_head(const sq_model *m, const float *q, const uint16_t *K, const uint16_t *V, int64_t start,
-                        int64_t end, float *sc, float *o) {
-    const int64_t D = m->head_dim;
-    const float scale = (float)m->attn_scale;
 #ifdef SQ_AVX512
-    if (D == 64 || D == 128 || D == 256) { /* registers for the query and the output */
-        if (D == 64) attention_head512(q, K, V, start, end, scale, sc, o, 4);
-        else if (D == 128) attention_head512(q, K, V, start, end, scale, sc, o, 8);
-        else attention_head512(q, K, V, start, end, scale, sc, o, 16);
-        return;
-    }
-#endif
-    float mx = -INFINITY;
-    for (int64_t t = start; t < end; t++) {
-        const float d = dot_bf16(K + t * D, q, D) * scale;
-        sc[t] = d;
-        mx = d > mx ? d : mx;
-    }
-    float sum = 0.f;
-    for (int64_t t = start; t < end; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-    float inv = 1.f / sum;
-    for (int64_t j = 0; j < D; j++) o[j] = 0.f;
-    for (int64_t t = start; t < end; t++) {
-        const uint16_t *vr = V + t * D;
-        float p = sc[t] * inv;
-        int64_t j = 0;
-#ifdef SQ_AVX2
-        __m256 pv = _mm256_set1_ps(p);
-        for (; j + 8 <= D; j += 8) {
-            __m256i vi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vr + j))), 16);
-            _mm256_storeu_ps(o + j, _mm256_fmadd_ps(_mm256_castsi256_ps(vi), pv, _mm256_loadu_ps(o + j)));
+static inline __attribute__((always_inline)) __m512 kv16(const void *p, int64_t i, const int i8) {
+    if (i8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+    return load_bf16x16((const uint16_t *)p + i);
+}
+
+/* attend_block_avx2 on 16 lanes; D % 16 == 0 */
+static inline __attribute__((always_inline)) void attend_block_avx512(kv_rows kv, const int i8, int64_t D,
+                                                                      const float *qs, float scale, const int G,
+                                                                      int64_t t0, int64_t t1, float *sc, float *o,
+                                                                      float *mx, float *sm) {
+    const int64_t n = t1 - t0;
+    for (int64_t t = 0; t < KV_AHEAD && t < n; t++) kv_prefetch(kv, i8, D, t0 + t);
+    for (int64_t t = 0; t < n; t++) {
+        __m512 acc[8];
+        for (int i = 0; i < G; i++) acc[i] = _mm512_setzero_ps();
+        const int64_t row = (t0 + t) * D;
+        kv_prefetch(kv, i8, D, t0 + t + KV_AHEAD);
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 k = kv16(kv.k, row + d, i8);
+            for (int i = 0; i < G; i++) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + i * D + d), k, acc[i]);
         }
-#endif
-        for (; j < D; j++) o[j] += p * bf(vr[j]);
+        const float s = i8 ? bf(kv.ks[t0 + t]) * scale : scale;
+        for (int i = 0; i < G; i++) sc[i * KVB + t] = _mm512_reduce_add_ps(acc[i]) * s;
     }
+    for (int i = 0; i < G; i++) {
+        float *p = sc + i * KVB;
+        __m512 vm = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) vm = _mm512_mask_max_ps(vm, rows_mask(n - t), vm, _mm512_maskz_loadu_ps(rows_mask(n - t), p + t));
+        const float m_ = _mm512_reduce_max_ps(vm);
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 k = rows_mask(n - t);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + t), _mm512_set1_ps(m_))));
+            vsum = _mm512_add_ps(vsum, e);
+            _mm512_mask_storeu_ps(p + t, k, i8 ? _mm512_mul_ps(e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                                     _mm256_maskz_loadu_epi16(k, kv.vs + t0 + t)), 16)))
+                                               : e);
+        }
+        mx[i] = m_, sm[i] = _mm512_reduce_add_ps(vsum);
+    }
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m512 a0[8], a1[8];
+        for (int i = 0; i < G; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 v0 = kv16(kv.v, (t0 + t) * D + d, i8), v1 = kv16(kv.v, (t0 + t) * D + d + 16, i8);
+            for (int i = 0; i < G; i++) {
+                const __m512 w = _mm512_set1_ps(sc[i * KVB + t]);
+                a0[i] = _mm512_fmadd_ps(w, v0, a0[i]);
+                a1[i] = _mm512_fmadd_ps(w, v1, a1[i]);
+            }
+        }
+        for (int i = 0; i < G; i++) {
+            _mm512_storeu_ps(o + i * D + d, a0[i]);
+            _mm512_storeu_ps(o + i * D + d + 16, a1[i]);
+        }
+    }
+    for (; d < D; d += 16) {
+        __m512 a0[8];
+        for (int i = 0; i < G; i++) a0[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 v0 = kv16(kv.v, (t0 + t) * D + d, i8);
+            for (int i = 0; i < G; i++) a0[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[i * KVB + t]), v0, a0[i]);
+        }
+        for (int i = 0; i < G; i++) _mm512_storeu_ps(o + i * D + d, a0[i]);
+    }
+}
+#endif
+
+/* the dispatch: this build's widest block kernel for D, G (<= 8) and the cache type */
+static void attend_block(const sq_model *m, kv_rows kv, const float *qs, int G, int64_t t0, int64_t t1, float *sc,
+                         float *o, float *mx, float *sm) {
+    const int64_t D = m->head_dim;
+    const int i8 = (int)m->kv_int8;
+    const float scale = (float)m->attn_scale;
+#define SQ_BLOCK_CASE(isa, g) \
+    case g: i8 ? attend_block_##isa(kv, 1, D, qs, scale, g, t0, t1, sc, o, mx, sm) \
+               : attend_block_##isa(kv, 0, D, qs, scale, g, t0, t1, sc, o, mx, sm); return;
+#define SQ_BLOCK_CASES(isa) SQ_BLOCK_CASE(isa, 1) SQ_BLOCK_CASE(isa, 2) SQ_BLOCK_CASE(isa, 3) SQ_BLOCK_CASE(isa, 4) \
+    SQ_BLOCK_CASE(isa, 5) SQ_BLOCK_CASE(isa, 6) SQ_BLOCK_CASE(isa, 7) SQ_BLOCK_CASE(isa, 8)
+#ifdef SQ_AVX512
+    if (D % 16 == 0) switch (G) { SQ_BLOCK_CASES(avx512) }
+#endif
+#ifdef SQ_AVX2
+    if (D % 8 == 0) switch (G) { SQ_BLOCK_CASES(avx2) }
+#endif
+#undef SQ_BLOCK_CASES
+#undef SQ_BLOCK_CASE
+    attend_block_ref(kv, i8, D, qs, scale, G, t0, t1, sc, o, mx, sm);
+}
+
+/* Work item (g, b) of one token's decode attention: the query heads of KV head g (q: the token's
+ * normed, rotated q heads [H, D]) over block b of keys [start, end) of L's cache. sc: grp * KVB
+ * floats of scratch; part: the item's partial result (part_floats). */
+static void attend_item(const sq_model *m, const sq_layer *L, const float *q, int64_t start, int64_t end, int64_t g,
+                        int64_t b, float *sc, float *part) {
+    const int64_t D = m->head_dim, grp = m->heads / m->kv_heads;
+    const int64_t t0 = start + b * KVB, t1 = t0 + KVB < end ? t0 + KVB : end;
+    const kv_rows kv = kv_head(m, L, g);
+    for (int64_t s0 = 0; s0 < grp; s0 += 8) { /* query heads in passes of up to 8 (the kernels' registers) */
+        const int G = (int)(grp - s0 < 8 ? grp - s0 : 8);
+        attend_block(m, kv, q + (g * grp + s0) * D, G, t0, t1, sc, part + s0 * D, part + grp * D + s0,
+                     part + grp * D + grp + s0);
+    }
+}
+
+/* Head i (of the grp sharing a KV head) from the partials of its nb blocks (part: the first of
+ * them, part_floats apart): out [D] = softmax(scale q.K) V */
+static void attend_finish(const sq_model *m, const float *part, int64_t nb, int64_t i, float *out) {
+    const int64_t D = m->head_dim, grp = m->heads / m->kv_heads, pf = part_floats(m);
+    float mx = -INFINITY, tot = 0.f;
+    for (int64_t b = 0; b < nb; b++) mx = part[b * pf + grp * D + i] > mx ? part[b * pf + grp * D + i] : mx;
+    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *pb = part + b * pf, w = expf(pb[grp * D + i] - mx);
+        tot += w * pb[grp * D + grp + i];
+        for (int64_t d = 0; d < D; d++) out[d] += w * pb[i * D + d];
+    }
+    const float inv = 1.f / tot;
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
 /* keys [start, end) a query at pos sees in layer L: the sliding window's, else all of [0, pos] */
@@ -81,13 +346,17 @@ static inline int64_t window_start(const sq_layer *L, int64_t pos) {
     return L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
 }
 
-static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t pos) {
-    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim, cap = m->cap, grp = H / KV;
-    const int64_t end = pos + 1, start = window_start(L, pos);
+/* (inside sq_step's parallel region) the attention of the decode token at pos in layer L: q its
+ * query heads, att [H, D] the result; scores, part: the workspace's (work.c) */
+static void attention(const sq_model *m, const sq_layer *L, const float *q, int64_t pos, float *scores, float *part,
+                      float *att) {
+    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim, grp = H / KV, pf = part_floats(m);
+    const int64_t start = window_start(L, pos), end = pos + 1, nb = attn_blocks(start, end);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < KV * nb; it++)
+        attend_item(m, L, q, start, end, it / nb, it % nb, scores + it * grp * KVB, part + it * pf);
 #pragma omp for schedule(static)
-    for (int64_t h = 0; h < H; h++)
-        attend_head(m, w->qkv + h * D, L->kcache + (h / grp) * cap * D, L->vcache + (h / grp) * cap * D, start, end,
-                    w->scores + h * cap, w->att + h * D);
+    for (int64_t h = 0; h < H; h++) attend_finish(m, part + (h / grp) * nb * pf, nb, h % grp, att + h * D);
 }
 
 /* -- a chunk of prompt tokens -- */
@@ -99,7 +368,7 @@ static void attention(const sq_model *m, const sq_layer *L, sq_work *w, int64_t 
 #endif
 
 /* pt[(j - klo) * PQB + i] = scale * q_i . K_j for queries i < nq (rows of q, stride ldq) and
- * keys j in [klo, khi) of one KV head, read from Kf (fp32 [*, D], the head's bf16 cache rows
+ * keys j in [klo, khi) of one KV head, read from Kf (fp32 [*, D], the head's cache rows
  * converted once per chunk by attention_many): the scores of one key for all PQB queries are
  * contiguous, so the softmax runs across queries in one vector and P.V reads one cache line per
  * key. AVX2 (8 queries) and AVX512 (16): the (scaled) queries transposed to qt [D][PQB], so one
@@ -194,9 +463,10 @@ static void scores_t(const sq_model *m, const float *Kf, const float *q, int64_t
 
 /* att[t, h*D..] for the queries t in [0, T) at positions p0 + t, head by head, over the cache.
  * qkv: [T, ldq] rows whose first H*D values are the (normed, rotated) queries. scratch: per
- * thread PQB * cap floats. Query t sees keys (p - window, p], all of [0, p] without one. */
+ * thread PQB * cap floats; kf, vf: (p0 + T) * D floats each (one KV head's rows in fp32). Query t
+ * sees keys (p - window, p], all of [0, p] without one. */
 static void attention_many(const sq_model *m, const sq_layer *L, const float *qkv, int64_t ldq, int64_t p0,
-                           int64_t T, float *att, float *scratch, float *kf) {
+                           int64_t T, float *att, float *scratch, float *kf, float *vf) {
     const int64_t H = m->heads, D = m->head_dim, cap = m->cap, grp = H / m->kv_heads, nqb = (T + PQB - 1) / PQB;
     const float scale = (float)m->attn_scale;
     /* keys any query of the chunk sees: [kbeg, p0 + T) */
@@ -208,17 +478,22 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
         tid = omp_get_thread_num();
 #endif
         float *pt = scratch + (int64_t)tid * PQB * cap;
-        for (int64_t g = 0; g < m->kv_heads; g++) { /* one KV head at a time: its keys in fp32, then its queries */
-            const uint16_t *Kb = L->kcache + g * cap * D;
+        for (int64_t g = 0; g < m->kv_heads; g++) { /* one KV head at a time: its rows in fp32, then its queries */
+            const kv_rows kv = kv_head(m, L, g);
+            const int i8 = (int)m->kv_int8;
 #pragma omp for schedule(static)
-            for (int64_t j = kbeg; j < p0 + T; j++)
-                for (int64_t d = 0; d < D; d++) kf[j * D + d] = bf(Kb[j * D + d]);
+            for (int64_t j = kbeg; j < p0 + T; j++) {
+                const float ks = i8 ? bf(kv.ks[j]) : 1.f, vs = i8 ? bf(kv.vs[j]) : 1.f;
+                for (int64_t d = 0; d < D; d++) {
+                    kf[j * D + d] = kv_at(kv.k, j * D + d, i8) * ks;
+                    vf[j * D + d] = kv_at(kv.v, j * D + d, i8) * vs;
+                }
+            }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < grp * nqb; it++) {
                 /* largest blocks first: the causal cost grows with the query position */
                 const int64_t h = g * grp + it % grp, qb = nqb - 1 - it / grp, t0 = qb * PQB, t1 = t0 + PQB < T ? t0 + PQB : T;
                 const int64_t nq = t1 - t0;
-                const uint16_t *V = L->vcache + g * cap * D;
                 int32_t lo[PQB], hi[PQB]; /* visible keys [lo, hi) per query; empty for i >= nq */
                 int64_t klo = p0 + t1, khi = 0;
                 for (int64_t i = 0; i < PQB; i++) {
@@ -288,7 +563,7 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
                     __m512 acc[PQB];
                     for (int i = 0; i < PQB; i++) acc[i] = _mm512_setzero_ps();
                     for (int64_t j = klo; j < khi; j++) {
-                        const __m512 v = load_bf16x16(V + j * D + dbeg);
+                        const __m512 v = _mm512_loadu_ps(vf + j * D + dbeg);
                         const float *pj = pt + (j - klo) * PQB;
                         for (int i = 0; i < PQB; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(pj[i]), v, acc[i]);
                     }
@@ -302,7 +577,7 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
                         __m256 acc[PQB];
                         for (int i = 0; i < PQB; i++) acc[i] = _mm256_setzero_ps();
                         for (int64_t j = klo; j < khi; j++) {
-                            const __m256 v = load_bf8(V + j * D + d0);
+                            const __m256 v = _mm256_loadu_ps(vf + j * D + d0);
                             const float *pj = pt + (j - klo) * PQB;
                             for (int i = 0; i < PQB; i++) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(pj + i), v, acc[i]);
                         }
@@ -317,7 +592,7 @@ static void attention_many(const sq_model *m, const sq_layer *L, const float *qk
                     for (int64_t i = 0; i < nq; i++)
                         for (int64_t d = d0; d < d1; d++) {
                             float acc = 0.f;
-                            for (int64_t j = klo; j < khi; j++) acc += pt[(j - klo) * PQB + i] * bf(V[j * D + d]);
+                            for (int64_t j = klo; j < khi; j++) acc += pt[(j - klo) * PQB + i] * vf[j * D + d];
                             att[(t0 + i) * H * D + h * D + d] = acc * inv[i];
                         }
                 }

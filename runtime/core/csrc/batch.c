@@ -2,7 +2,7 @@
  * the weights (sq_step_many), the head of M hidden states (sq_head_many), and a prompt into one
  * sequence's KV slot (sq_prefill_at). A slot is an element offset (kvoff) into every layer's
  * cache: slot s of a cache laid out [slots, kv_heads, cap, head_dim] starts at
- * s * kv_heads * cap * head_dim. The products are the decode products for M tokens
+ * s * kv_heads * cap * head_dim (an int8 cache's scales [slots, kv_heads, cap] at kvoff / head_dim). The products are the decode products for M tokens
  * (gemv_dispatch.c products_many), each token's result the single-token product's bit for bit, so
  * a sequence decodes to the same bits alone, beside others, or through sq_step (batch invariance). */
 
@@ -50,14 +50,14 @@ static void head_rows(const sq_model *m, sq_work *w, sq_act *a, int64_t M, const
  * step's first touch (13% of the example's 4-sequence step under perf) */
 typedef struct {
     int64_t rows;
-    float *x, *xn, *qkv, *att, *h, *gu, *mid, *sc;
+    float *x, *xn, *qkv, *att, *h, *gu, *mid, *sc, *part; /* sc, part: attention's work items */
     sq_act *a;
 } sq_batch;
 
 void sq_batch_free(void *p) {
     sq_batch *b = p;
     if (!b) return;
-    free(b->x); free(b->xn); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc);
+    free(b->x); free(b->xn); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc); free(b->part);
     acts_free(b->a, b->rows);
     free(b);
 }
@@ -73,9 +73,11 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     b->x = malloc(sizeof(float) * M * E), b->xn = malloc(sizeof(float) * M * maxk);
     b->qkv = malloc(sizeof(float) * M * nqkv), b->att = malloc(sizeof(float) * M * qd);
     b->h = malloc(sizeof(float) * M * E), b->gu = malloc(sizeof(float) * M * 2 * I);
-    b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * M * H * m->cap);
+    const int64_t items = M * KV * attn_blocks(0, m->cap);
+    b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * items * (H / KV) * KVB);
+    b->part = malloc(sizeof(float) * items * part_floats(m));
     b->a = acts_new(M, maxk);
-    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->a)) {
+    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a)) {
         sq_batch_free(b);
         return NULL;
     }
@@ -96,10 +98,11 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
         if (pos[t] < 0 || pos[t] >= m->cap) return -2;
     if (M <= 0) return 0;
     if (!b || M > b->rows) return -3;
-    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter, cap = m->cap;
-    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd), grp = H / KV;
+    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd), grp = H / KV, pf = part_floats(m);
     const int off = (int)m->norm_offset;
     float *x = b->x, *xn = b->xn, *qkv = b->qkv, *att = b->att, *h = b->h, *gu = b->gu, *mid = b->mid, *sc = b->sc;
+    float *part = b->part;
     sq_act *a = b->a;
     {
 #pragma omp parallel
@@ -121,17 +124,29 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
 #pragma omp for schedule(static)
                 for (int64_t it = 0; it < M * (H + KV); it++) {
                     const int64_t t = it / (H + KV);
-                    sq_layer Ls = *L; /* this sequence's slot */
-                    Ls.kcache += kvoff[t];
-                    Ls.vcache += kvoff[t];
+                    const sq_layer Ls = layer_slot(m, L, kvoff[t]); /* this sequence's slot */
                     qk_rope_head(m, &Ls, qkv + t * nqkv, pos[t], it % (H + KV));
                 }
+                /* each sequence's attention work items (attention.c), nbm blocks apart: the items
+                 * of sq_step's attention(), their partials laid out as there */
+                int64_t nbm = 1;
+                for (int64_t t = 0; t < M; t++) {
+                    const int64_t nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
+                    nbm = nb > nbm ? nb : nbm;
+                }
 #pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < M * KV * nbm; it++) {
+                    const int64_t t = it / (KV * nbm), g = it / nbm % KV, bb = it % nbm, start = window_start(L, pos[t]);
+                    const int64_t nb = attn_blocks(start, pos[t] + 1);
+                    if (bb >= nb) continue;
+                    const sq_layer Ls = layer_slot(m, L, kvoff[t]);
+                    attend_item(m, &Ls, qkv + t * nqkv, start, pos[t] + 1, g, bb, sc + it * grp * KVB,
+                                part + (t * KV * nbm + g * nb + bb) * pf);
+                }
+#pragma omp for schedule(static)
                 for (int64_t it = 0; it < M * H; it++) {
-                    const int64_t t = it / H, hh = it % H, g = hh / grp;
-                    attend_head(m, qkv + t * nqkv + hh * D, L->kcache + kvoff[t] + g * cap * D,
-                                L->vcache + kvoff[t] + g * cap * D, window_start(L, pos[t]), pos[t] + 1, sc + it * cap,
-                                att + t * qd + hh * D);
+                    const int64_t t = it / H, hh = it % H, nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
+                    attend_finish(m, part + (t * KV * nbm + hh / grp * nb) * pf, nb, hh % grp, att + t * qd + hh * D);
                 }
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M; t++) prep(&L->o, att + t * qd, &a[t]);
@@ -178,11 +193,7 @@ int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64
     sq_model at = *m;
     sq_layer *ls = malloc(sizeof(sq_layer) * (m->layers > 0 ? m->layers : 1));
     if (!ls) return -1;
-    for (int64_t li = 0; li < m->layers; li++) {
-        ls[li] = m->layer[li];
-        ls[li].kcache += kvoff;
-        ls[li].vcache += kvoff;
-    }
+    for (int64_t li = 0; li < m->layers; li++) ls[li] = layer_slot(m, &m->layer[li], kvoff);
     at.layer = ls;
     const int rc = sq_prefill(&at, tokens, T, pos0, chunk, out, all);
     free(ls);

@@ -41,19 +41,54 @@ static inline float gelu_tanh(float x) {
 }
 
 
+/* x [n] -> int8 codes and one bf16 scale: s = bf16(max|x| / 127), code = round-to-even(x / s)
+ * within +-127 (all zero when s is 0); x ~ code * s. The torch runtime's KVCache.quantize does
+ * the same arithmetic. */
+static void quant_row_q8(const float *x, int64_t n, int8_t *code, uint16_t *scale) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    *scale = to_bf(amax / 127.f);
+    const float s = bf(*scale);
+    for (int64_t i = 0; i < n; i++) {
+        const float r = s > 0.f ? nearbyintf(x[i] / s) : 0.f;
+        code[i] = (int8_t)(r > 127.f ? 127 : r < -127.f ? -127 : (int)r);
+    }
+}
+
+/* layer L's view of the KV slot at element offset kvoff of its caches (batch.c: a slot of a
+ * [slots, kv_heads, cap, head_dim] cache; the scales' slot offset is kvoff / head_dim) */
+static inline sq_layer layer_slot(const sq_model *m, const sq_layer *L, int64_t kvoff) {
+    sq_layer s = *L;
+    if (m->kv_int8) {
+        s.kcache = (int8_t *)L->kcache + kvoff, s.vcache = (int8_t *)L->vcache + kvoff;
+        s.kscale = L->kscale + kvoff / m->head_dim, s.vscale = L->vscale + kvoff / m->head_dim;
+    } else {
+        s.kcache = (uint16_t *)L->kcache + kvoff, s.vcache = (uint16_t *)L->vcache + kvoff;
+    }
+    return s;
+}
+
+/* one position's K and V rows of KV head g into the layer's cache (bf16, or int8 + scales) */
+static void kv_store(const sq_model *m, const sq_layer *L, int64_t g, int64_t pos, const float *k, const float *v) {
+    const int64_t D = m->head_dim, at = g * m->cap + pos;
+    if (m->kv_int8) {
+        quant_row_q8(k, D, (int8_t *)L->kcache + at * D, L->kscale + at);
+        quant_row_q8(v, D, (int8_t *)L->vcache + at * D, L->vscale + at);
+    } else {
+        to_bf_n(k, (uint16_t *)L->kcache + at * D, D);
+        to_bf_n(v, (uint16_t *)L->vcache + at * D, D);
+    }
+}
+
 /* Head h of one token's q/k/v row (q heads, k heads, v heads, contiguous) at position pos: a
  * query (h < H) or key head normed and rotated in place; a key head's K and its V row then go
- * to the layer's bf16 cache. */
+ * to the layer's cache. */
 static void qk_rope_head(const sq_model *m, const sq_layer *L, float *q, int64_t pos, int64_t h) {
     const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim;
     float *hv = q + h * D; /* q heads then k heads are contiguous */
     if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
     rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
-    if (h >= H) {
-        const int64_t g = h - H;
-        to_bf_n(hv, L->kcache + (g * m->cap + pos) * D, D);
-        to_bf_n(q + (H + KV + g) * D, L->vcache + (g * m->cap + pos) * D, D);
-    }
+    if (h >= H) kv_store(m, L, h - H, pos, hv, q + (H + KV + h - H) * D);
 }
 
 /* every head of one token (the prefill; the decode step spreads the heads over its threads) */

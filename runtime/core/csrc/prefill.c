@@ -1,5 +1,5 @@
 /* A prompt through every layer (sq_prefill): the arithmetic of sq_step for a chunk of tokens at a
- * time -- fp32 residual stream and pointwise parts, the prompt GEMMs (gemm.c), bf16 KV cache, and
+ * time -- fp32 residual stream and pointwise parts, the prompt GEMMs (gemm.c), the KV cache (bf16 or int8), and
  * causal (optionally sliding-window) attention over the cache (attention.c). */
 
 /* Y [M, N] = X [M, K] L^T (+ bias), fp32 in and out */
@@ -45,13 +45,13 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
     float *x = malloc(sizeof(float) * chunk * E), *xn = malloc(sizeof(float) * chunk * maxk);
     float *big = malloc(sizeof(float) * chunk * wide), *att = malloc(sizeof(float) * chunk * qd);
     float *scr = malloc(sizeof(float) * nthr * PQB * m->cap);
-    float *kf = malloc(sizeof(float) * (pos0 + T) * D); /* one KV head's keys in fp32 (attention_many) */
+    float *kf = malloc(sizeof(float) * (pos0 + T) * D), *vf = malloc(sizeof(float) * (pos0 + T) * D); /* attention_many */
     void *xt = NULL; /* the bf16 GEMM's activation tiles, shared by every product */
 #ifdef SQ_BF16
     xt = alloc64(sizeof(uint16_t) * ((chunk + BT - 1) / BT * BT) * maxk);
-    int rc = (x && xn && big && att && scr && kf && xt) ? 0 : -1;
+    int rc = (x && xn && big && att && scr && kf && vf && xt) ? 0 : -1;
 #else
-    int rc = (x && xn && big && att && scr && kf) ? 0 : -1;
+    int rc = (x && xn && big && att && scr && kf && vf) ? 0 : -1;
 #endif
     for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
         const int64_t n = c0 + chunk < T ? chunk : T - c0, p0 = pos0 + c0;
@@ -68,7 +68,7 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
-            attention_many(m, L, big, nqkv, p0, n, att, scr, kf);
+            attention_many(m, L, big, nqkv, p0, n, att, scr, kf, vf);
             if ((rc = linear_many(&L->o, att, n, xn, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) {
@@ -90,6 +90,6 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             rms_norm(x + (n - 1) * E, m->final_norm, E, m->eps, off, out);
         }
     }
-    free(x); free(xn); free(big); free(att); free(scr); free(kf); free(xt);
+    free(x); free(xn); free(big); free(att); free(scr); free(kf); free(vf); free(xt);
     return rc;
 }

@@ -16,7 +16,8 @@
  * exact sums there leave an uncancelled 8*s*sum(x^ - x) error, measured 4x the A8 KL); the zero
  * term uses the unquantized x, so it carries no activation error. Int8 linears (per-row scale)
  * use the same activation scales; bf16 linears are multiplied in fp32. Everything between the
- * products (norms, RoPE, attention, activations, residual) is fp32; the KV cache is bf16.
+ * products (norms, RoPE, attention, activations, residual) is fp32; the KV cache is bf16, or int8
+ * codes with a bf16 scale per (position, KV head) (pointwise.c writes it, attention.c reads it).
  * Prompts of >= BF16_GEMM_MIN_M tokens on AVX512-BF16 builds take a W4A16 GEMM instead
  * (gemm_bf16.c). A token's result never depends on which other tokens share its call.
  *
@@ -32,6 +33,7 @@
 #include "sq_simd.h"
 
 #include "act.c"
+#include "attention.c"
 #include "work.c"
 #include "gemv.c"
 #include "gemv_avx2.c"
@@ -42,7 +44,6 @@
 #include "gemm_bf16.c"
 #include "gemm.c"
 #include "pointwise.c"
-#include "attention.c"
 #include "head.c"
 #include "step.c"
 #include "prefill.c"

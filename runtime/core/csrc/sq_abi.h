@@ -5,7 +5,7 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 9
+#define SQ_ABI 10
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
@@ -24,21 +24,23 @@ enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
     F(const int8_t *, lut)
 
 /* one decoder layer: its linears, norms (bf16 [D] or NULL), RoPE tables (bf16 [rope_len, rot]),
- * its bf16 KV cache [kv_heads, cap, head_dim], rotary dims, sliding window (0 = full). */
+ * its KV cache [kv_heads, cap, head_dim] (bf16, or int8 codes with kscale / vscale: one bf16 scale
+ * per (KV head, position) [kv_heads, cap], x = code * scale; NULL for a bf16 cache), rotary dims,
+ * sliding window (0 = full). */
 #define SQ_LAYER_FIELDS(F)                                                                        \
     F(sq_linear, qkv) F(sq_linear, o) F(sq_linear, gate_up) F(sq_linear, down)                    \
     F(const uint16_t *, attn_norm) F(const uint16_t *, mlp_norm) F(const uint16_t *, post_attn_norm) \
     F(const uint16_t *, post_mlp_norm) F(const uint16_t *, q_norm) F(const uint16_t *, k_norm)    \
-    F(const uint16_t *, cos) F(const uint16_t *, sin) F(uint16_t *, kcache) F(uint16_t *, vcache) \
-    F(int64_t, rot) F(int64_t, window)
+    F(const uint16_t *, cos) F(const uint16_t *, sin) F(void *, kcache) F(void *, vcache)               \
+    F(uint16_t *, kscale) F(uint16_t *, vscale) F(int64_t, rot) F(int64_t, window)
 
 /* the model: shape, act (0 SiLU, 1 GELU-tanh), norm_offset (1: (1 + w) norms), refine_top (top
- * logits recomputed exactly), embed_mult (0 = off), the layers, head, embedding (the head's
- * linear when tied) and the final norm. */
+ * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),
+ * embed_mult (0 = off), the layers, head, embedding (the head's linear when tied), final norm. */
 #define SQ_MODEL_FIELDS(F)                                                                        \
     F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
     F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
-    F(int64_t, refine_top) F(double, eps) F(double, attn_scale) F(double, embed_mult)             \
+    F(int64_t, refine_top) F(int64_t, kv_int8) F(double, eps) F(double, attn_scale) F(double, embed_mult)             \
     F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)
 
 #define SQ_FIELD_DECL(type, name) type name;

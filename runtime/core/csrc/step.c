@@ -27,7 +27,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             products(&L->qkv, &w->a, w->qkv);
 #pragma omp for schedule(static)
             for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
-            attention(m, L, w, pos);
+            attention(m, L, w->qkv, pos, w->scores, w->part, w->att);
 #pragma omp single
             prep(&L->o, w->att, &w->a);
             products(&L->o, &w->a, w->h);

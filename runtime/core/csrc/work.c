@@ -1,7 +1,7 @@
 /* The decode workspace (sq_work_new / sq_work_free): per-model buffers of sq_step and sq_head. */
 
 typedef struct {
-    float *xn, *qkv, *att, *h, *gu, *mid, *scores;
+    float *xn, *qkv, *att, *h, *gu, *mid, *scores, *part; /* scores, part: attention's work items (attention.c) */
     sq_act a;
     int64_t maxk;
     int32_t *cand, *tie; /* refine_split: the candidate rows, and a bucket's members while selecting */
@@ -24,8 +24,10 @@ void *sq_work_new(const sq_model *m) {
     w->h = malloc(sizeof(float) * m->hidden);
     w->gu = malloc(sizeof(float) * 2 * m->inter);
     w->mid = malloc(sizeof(float) * m->inter);
-    w->scores = malloc(sizeof(float) * m->heads * m->cap);
-    if (!sq_act_alloc(&w->a, maxk) || !w->xn || !w->qkv || !w->att || !w->h || !w->gu || !w->mid || !w->scores) {
+    const int64_t items = m->kv_heads * attn_blocks(0, m->cap); /* the most decode attention work items */
+    w->scores = malloc(sizeof(float) * items * (m->heads / m->kv_heads) * KVB);
+    w->part = malloc(sizeof(float) * items * part_floats(m));
+    if (!sq_act_alloc(&w->a, maxk) || !w->xn || !w->qkv || !w->att || !w->h || !w->gu || !w->mid || !w->scores || !w->part) {
         sq_work_free(w);
         return NULL;
     }
@@ -44,7 +46,7 @@ void *sq_work_new(const sq_model *m) {
 void sq_work_free(void *p) {
     sq_work *w = p;
     if (!w) return;
-    free(w->xn); free(w->qkv); free(w->att); free(w->h); free(w->gu); free(w->mid); free(w->scores);
+    free(w->xn); free(w->qkv); free(w->att); free(w->h); free(w->gu); free(w->mid); free(w->scores); free(w->part);
     free(w->cand); free(w->tie); free(w->gsum);
     sq_act_free(&w->a);
     free(w);
