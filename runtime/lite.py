@@ -82,7 +82,6 @@ class LiteModel(Generator):
         if slots < 1:
             raise RuntimeUserError(f"the KV cache needs at least one sequence slot, got {slots}")
         # fixed slots: the budget split evenly, each slot a whole sequence's cache (serving.py)
-        self.kv_dtype = check_kv_dtype(kv_dtype)
         cap = kv_capacity(spec, max_model_len, kv_budget_mib / slots, kv_dtype)
         # [layers, slots, kv_heads, cap, head_dim]: bf16 bits, or int8 codes with bf16 scales
         # [layers, slots, kv_heads, cap]; pages are touched only as tokens are written

@@ -354,7 +354,7 @@ def test_g32_prompts_go_through_the_c_core(tmp_path, kernel_build, kind):
 
 
 # head_dim 24: the AVX512 prefill's P.V on 16 columns, then 8; 64 and 128: the AVX512 decode
-# attention (query and output in registers: head_dim 64, 128 or 256)
+# attention (its AVX512 kernel on 16 lanes, 32 V columns per pass)
 @pytest.mark.parametrize("heads,head_dim", [(4, None), (8, 24), (4, 64), (2, 128)])
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_path, kernel_build, heads, head_dim):

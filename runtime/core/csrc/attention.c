@@ -91,9 +91,7 @@ static inline __m128 load_bf4(const uint16_t *p, int n) {
 
 /* K and V rows ahead of the scores loop (the caches stream from memory at long contexts: without
  * the hint the step waited on each row's line; KV_AHEAD rows ahead covers the latency) */
-#ifndef KV_AHEAD
 #define KV_AHEAD 16
-#endif
 static inline __attribute__((always_inline)) void kv_prefetch(kv_rows kv, const int i8, int64_t D, int64_t t) {
     const int64_t bytes = D * (i8 ? 1 : 2), at = t * bytes;
     for (int64_t o = 0; o < bytes; o += 64) {
