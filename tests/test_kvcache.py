@@ -14,12 +14,13 @@ from sparkq.runtime.errors import RuntimeUserError
 
 N_PROMPT, N_DECODE = 2500, 24  # 20 attention blocks of 128 keys at the end
 # query heads per KV head (G) and head_dim chosen to run each path of csrc/attention.c's decode
-# kernel: G <= 3 (4 keys per score pass), G 4..6 (2 keys; D % 16 != 0: the 8-wide V tail), G > 8
-# (two passes of 8) with D % 8 != 0 (the portable loops on every build), and a sliding window
-# shorter than the context (blocks cut from the window's start, not position 0)
+# kernel: G <= 3 (bf16: 4 keys per score pass; int8: key pairs), G 4..6 (bf16: 2 keys; int8: one key
+# at a time; D % 16 != 0: the 8-wide V tail and the 8-code K tail), G > 8 (two passes of 8) with
+# D % 8 != 0 (the portable loops on every build), and a sliding window shorter than the context
+# (blocks cut from the window's start, not position 0)
 SHAPES = {
     "llama-g2-d32": dict(arch="llama", hidden=128, heads=4, kv_heads=2),
-    "qwen3-g4-d24": dict(arch="qwen3", hidden=128, heads=8, kv_heads=2, head_dim=24),
+    "qwen3-g6-d24": dict(arch="qwen3", hidden=128, heads=12, kv_heads=2, head_dim=24),
     "llama-g16-d20": dict(arch="llama", hidden=128, heads=16, kv_heads=1, head_dim=20),
     "mistral-g3-window": dict(arch="mistral", hidden=192, heads=6, kv_heads=2, sliding_window=700),
 }
@@ -160,3 +161,31 @@ def test_depth_and_rounding_tools_run(long_ctx, tmp_path):
     rows = json.loads(p.stdout)
     assert {(r["rows"], r["group"]) for r in rows} == {("K", 32), ("V", 32)}  # head_dim 32: one group size
     assert all(0 < r["median_rel_err"] < 0.02 and r["bytes_per_row"] == 34 for r in rows)
+
+
+@pytest.mark.parametrize("cache", ["int8", "bf16"])
+def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
+    """tools/attnbench.c (docs/long-context.md's kernel timings) compiles against csrc and runs;
+    its portable build (SQ_SCALAR) and this CPU's widest build give the same attention output
+    (the checksum of every head's result) on an odd-length cache of 2,000+ positions"""
+    import re
+    import subprocess
+    from pathlib import Path
+    from sparkq.runtime.core import builds
+    root = Path(__file__).resolve().parents[1]
+    cc = builds.compiler()
+    assert cc, "no C compiler"
+    out = {}
+    for name, flags in {"portable": ["-DSQ_SCALAR"], "native": ["-march=native"]}.items():
+        exe = tmp_path / name
+        p = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", *flags, "-I", str(root / "runtime/core/csrc"),
+                            str(root / "tools/attnbench.c"), "-o", str(exe), "-lm"], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        # 2 layers, 2,051 positions (16 full blocks + 3), 6 query heads on 2 KV heads of 40 (an 8-code K tail)
+        p = subprocess.run([str(exe), "2", "2051", "6", "2", "40", "1" if cache == "int8" else "0", "0", "3"],
+                           capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "2"})
+        assert p.returncode == 0, p.stderr
+        m = re.search(r"median ([\d.]+) ms per step .* \(checksum (\S+)\)", p.stdout)
+        assert m and p.stdout.startswith(f"{cache} cache, 2 layers x 2 KV heads x 2051 positions, head_dim 40, G 3"), p.stdout
+        out[name] = float(m.group(2))
+    assert out["portable"] != 0 and abs(out["native"] - out["portable"]) <= 1e-3 * abs(out["portable"]), out

@@ -35,19 +35,41 @@ static inline float kv_at(const void *p, int64_t i, int i8) {
     return i8 ? (float)((const int8_t *)p)[i] : bf(((const uint16_t *)p)[i]);
 }
 
+/* The int8 cache's K products are exact integers: each query head becomes int16 codes qi with one
+ * scale (qsc: max|q| / 32767 times the attention scale; codes round half to even), so a score is
+ * (float)sum(qi * k) * (kscale * qsc) on every build. qi [G, D], qsc [G]. */
+static void quant_q16_ref(const float *qs, int64_t D, int G, float scale, int16_t *qi, float *qsc) {
+    for (int i = 0; i < G; i++) {
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; d++) amax = fabsf(qs[i * D + d]) > amax ? fabsf(qs[i * D + d]) : amax;
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        qsc[i] = amax / 32767.f * scale;
+        for (int64_t d = 0; d < D; d++) qi[i * D + d] = (int16_t)nearbyintf(qs[i * D + d] * inv);
+    }
+}
+
 /* The reference: G query heads qs [G, D] over keys [t0, t1) of kv, score = scale * q.k; per head
  * i the max score mx[i], the sum of exponentials sm[i] and o[i*D..] = sum_t e^(score - mx) v_t.
  * sc: [G, KVB] scratch (the scores, then the weights of the V rows: e^(score - mx) times the V
- * scale). The scores round as the prompt path's portable loop does (the dot, then the scale). */
+ * scale). bf16 cache: the scores round as the prompt path's portable loop does (the dot, then the
+ * scale); int8: quant_q16's integer dots. */
 static void attend_block_ref(kv_rows kv, int i8, int64_t D, const float *qs, float scale, int G, int64_t t0,
                              int64_t t1, float *sc, float *o, float *mx, float *sm) {
     const int64_t n = t1 - t0;
+    int16_t qi[i8 ? G * D : 1];
+    float qsc[8];
+    if (i8) quant_q16_ref(qs, D, G, scale, qi, qsc);
     for (int64_t t = 0; t < n; t++) {
-        const float s = i8 ? bf(kv.ks[t0 + t]) * scale : scale;
         for (int i = 0; i < G; i++) {
-            float acc = 0.f;
-            for (int64_t d = 0; d < D; d++) acc += qs[i * D + d] * kv_at(kv.k, (t0 + t) * D + d, i8);
-            sc[i * KVB + t] = acc * s;
+            if (i8) {
+                int64_t acc = 0; /* an int32 for head_dim <= 512 (the SIMD kernels' bound) */
+                for (int64_t d = 0; d < D; d++) acc += qi[i * D + d] * ((const int8_t *)kv.k)[(t0 + t) * D + d];
+                sc[i * KVB + t] = (float)acc * (bf(kv.ks[t0 + t]) * qsc[i]);
+            } else {
+                float acc = 0.f;
+                for (int64_t d = 0; d < D; d++) acc += qs[i * D + d] * kv_at(kv.k, (t0 + t) * D + d, 0);
+                sc[i * KVB + t] = acc * scale;
+            }
         }
     }
     for (int i = 0; i < G; i++) {
@@ -105,6 +127,91 @@ static inline __m256i mask8(int64_t left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* quant_q16_ref on 8 lanes (the same codes: cvtps rounds half to even); D % 8 == 0 */
+static inline void quant_q16_avx2(const float *qs, int64_t D, int G, float scale, int16_t *qi, float *qsc) {
+    const __m256 sgn = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < G; i++) {
+        __m256 vm = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sgn, _mm256_loadu_ps(qs + i * D + d)));
+        const float amax = hmax8(vm), inv = amax > 0.f ? 32767.f / amax : 0.f;
+        qsc[i] = amax / 32767.f * scale;
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + i * D + d), _mm256_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(qi + i * D + d), _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+        }
+    }
+}
+
+static inline int32_t hsum_i32x8(__m256i v) {
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
+}
+
+/* 16 K codes at d as int16 (8 when only 8 are left: the rest 0, so the q codes they meet, past
+ * the head's row but inside qi, add nothing) */
+static inline __attribute__((always_inline)) __m256i k16(const int8_t *k, int64_t d, int64_t D) {
+    return _mm256_cvtepi8_epi16(d + 16 <= D ? _mm_loadu_si128((const __m128i *)(k + d)) : _mm_loadl_epi64((const __m128i *)(k + d)));
+}
+
+/* a[i] = 8-lane int32 partial sums of head i's q codes times one K row's codes */
+static inline __attribute__((always_inline)) void dots_i8_avx2(const int8_t *k, const int16_t *qi, int64_t D, const int G,
+                                                               __m256i *a) {
+    for (int i = 0; i < G; i++) a[i] = _mm256_setzero_si256();
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m256i x = k16(k, d, D);
+        for (int i = 0; i < G; i++) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(qi + i * D + d)), x));
+    }
+}
+
+/* the int8 cache's scores on 8 lanes: int16 q codes x sign-extended K codes (madd: exact int32
+ * sums, head_dim <= 512), 8 keys at a time so their horizontal sums reduce in one tree (per key
+ * and head, a reduction cost as much as a 64-channel dot). D % 8 == 0; qi holds G * D + 8 codes. */
+static inline __attribute__((always_inline)) void scores_i8_avx2(kv_rows kv, int64_t D, const int16_t *qi,
+                                                                 const float *qsc, const int G, int64_t t0, int64_t n,
+                                                                 float *sc) {
+    const int8_t *K = (const int8_t *)kv.k;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256i P[8][4]; /* per head and key pair u: hadd of the two keys' 8-lane sums */
+        for (int u = 0; u < 4; u++) {
+            const int8_t *k0 = K + (t0 + t + 2 * u) * D, *k1 = k0 + D;
+            kv_prefetch(kv, 1, D, t0 + t + 2 * u + KV_AHEAD);
+            kv_prefetch(kv, 1, D, t0 + t + 2 * u + 1 + KV_AHEAD);
+            if (G <= 4) { /* both keys at once: 2G accumulators, each q vector loaded once */
+                __m256i a0[4], a1[4];
+                for (int i = 0; i < G; i++) a0[i] = a1[i] = _mm256_setzero_si256();
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m256i x0 = k16(k0, d, D), x1 = k16(k1, d, D);
+                    for (int i = 0; i < G; i++) {
+                        const __m256i qv = _mm256_loadu_si256((const __m256i *)(qi + i * D + d));
+                        a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(qv, x0));
+                        a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(qv, x1));
+                    }
+                }
+                for (int i = 0; i < G; i++) P[i][u] = _mm256_hadd_epi32(a0[i], a1[i]);
+            } else { /* one key at a time (G accumulators) */
+                __m256i a0[8], a1[8];
+                dots_i8_avx2(k0, qi, D, G, a0);
+                dots_i8_avx2(k1, qi, D, G, a1);
+                for (int i = 0; i < G; i++) P[i][u] = _mm256_hadd_epi32(a0[i], a1[i]);
+            }
+        }
+        const __m256 ks = load_bf8(kv.ks + t0 + t);
+        for (int i = 0; i < G; i++) {
+            const __m256i x = _mm256_hadd_epi32(P[i][0], P[i][1]), y = _mm256_hadd_epi32(P[i][2], P[i][3]);
+            const __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
+            _mm256_storeu_ps(sc + i * KVB + t, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ks, _mm256_set1_ps(qsc[i]))));
+        }
+    }
+    for (; t < n; t++) {
+        __m256i a[8];
+        dots_i8_avx2(K + (t0 + t) * D, qi, D, G, a);
+        const float s0 = bf(kv.ks[t0 + t]);
+        for (int i = 0; i < G; i++) sc[i * KVB + t] = (float)hsum_i32x8(a[i]) * (s0 * qsc[i]);
+    }
+}
+
 /* attend_block_ref on 8 lanes, G (<= 8) and the cache type fixed at compile time; D % 8 == 0.
  * Scores: each K row converted once for the G heads; V: G x 16 (or 8) outputs in registers over
  * the block's rows. */
@@ -113,9 +220,17 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
                                                                     float *sc, float *o, float *mx, float *sm) {
     const int64_t n = t1 - t0;
     for (int64_t t = 0; t < KV_AHEAD && t < n; t++) kv_prefetch(kv, i8, D, t0 + t);
-    /* scores, KT keys at a time (their G x KT dot products in registers, 4 sums reduced at once) */
+    if (i8) {
+        int16_t qi[8 * 512 + 8] __attribute__((aligned(32)));
+        float qsc[8];
+        quant_q16_avx2(qs, D, G, scale, qi, qsc);
+        memset(qi + G * D, 0, 8 * sizeof(int16_t));
+        scores_i8_avx2(kv, D, qi, qsc, G, t0, n, sc);
+    }
+    /* bf16 cache: scores in fp32, KT keys at a time (their G x KT dot products in registers, 4
+     * sums reduced at once) */
     const int KT = G <= 3 ? 4 : G <= 6 ? 2 : 1;
-    int64_t t = 0;
+    int64_t t = i8 ? n : 0;
     for (; KT > 1 && t + KT <= n; t += KT) {
         __m256 acc[12];
         for (int j = 0; j < KT * G; j++) acc[j] = _mm256_setzero_ps();
@@ -152,24 +267,25 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
     for (int i = 0; i < G; i++) {
         float *p = sc + i * KVB;
         __m256 vm = ninf, vsum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; t += 8) {
-            const __m256i k = mask8(n - t);
-            vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_maskload_ps(p + t, k), _mm256_castsi256_ps(k)));
-        }
+        /* sc rows hold KVB floats: whole vectors past n stay inside the row, masked (AMD's
+         * vmaskmov stores cost more than the exponentials) */
+        for (int64_t t = 0; t < n; t += 8)
+            vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_loadu_ps(p + t), _mm256_castsi256_ps(mask8(n - t))));
         const float m_ = hmax8(vm);
-        for (int64_t t = 0; t < n; t += 8) {
-            const __m256i k = mask8(n - t);
-            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(p + t, k), _mm256_set1_ps(m_))),
-                                           _mm256_castsi256_ps(k));
+        const __m256 vmx = _mm256_set1_ps(m_);
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
             vsum = _mm256_add_ps(vsum, e);
-            _mm256_maskstore_ps(p + t, k, e);
+            _mm256_storeu_ps(p + t, i8 ? _mm256_mul_ps(e, load_bf8(kv.vs + t0 + t)) : e);
+        }
+        if (t < n) {
+            float e[8];
+            _mm256_storeu_ps(e, _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx)), _mm256_castsi256_ps(mask8(n - t))));
+            vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(e));
+            for (int64_t u = t; u < n; u++) p[u] = i8 ? e[u - t] * bf(kv.vs[t0 + u]) : e[u - t];
         }
         mx[i] = m_, sm[i] = hsum8(vsum);
-        if (i8) {
-            int64_t t = 0;
-            for (; t + 8 <= n; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), load_bf8(kv.vs + t0 + t)));
-            for (; t < n; t++) p[t] *= bf(kv.vs[t0 + t]);
-        }
     }
     int64_t d = 0;
     if (G <= 3) /* 4G accumulators: enough independent FMA chains to fill both pipes */
@@ -218,29 +334,24 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
 #endif
 
 #ifdef SQ_AVX512
-static inline __attribute__((always_inline)) __m512 kv16(const void *p, int64_t i, const int i8) {
-    if (i8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
-    return load_bf16x16((const uint16_t *)p + i);
-}
-
-/* attend_block_avx2 on 16 lanes; D % 16 == 0 */
-static inline __attribute__((always_inline)) void attend_block_avx512(kv_rows kv, const int i8, int64_t D,
+/* attend_block_avx2's bf16-cache path on 16 lanes; D % 16 == 0 (the int8 cache takes the AVX2
+ * kernel: its integer scores are the reference's bits) */
+static inline __attribute__((always_inline)) void attend_block_avx512(kv_rows kv, int64_t D,
                                                                       const float *qs, float scale, const int G,
                                                                       int64_t t0, int64_t t1, float *sc, float *o,
                                                                       float *mx, float *sm) {
     const int64_t n = t1 - t0;
-    for (int64_t t = 0; t < KV_AHEAD && t < n; t++) kv_prefetch(kv, i8, D, t0 + t);
+    for (int64_t t = 0; t < KV_AHEAD && t < n; t++) kv_prefetch(kv, 0, D, t0 + t);
     for (int64_t t = 0; t < n; t++) {
         __m512 acc[8];
         for (int i = 0; i < G; i++) acc[i] = _mm512_setzero_ps();
         const int64_t row = (t0 + t) * D;
-        kv_prefetch(kv, i8, D, t0 + t + KV_AHEAD);
+        kv_prefetch(kv, 0, D, t0 + t + KV_AHEAD);
         for (int64_t d = 0; d < D; d += 16) {
-            const __m512 k = kv16(kv.k, row + d, i8);
+            const __m512 k = load_bf16x16((const uint16_t *)kv.k + row + d);
             for (int i = 0; i < G; i++) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + i * D + d), k, acc[i]);
         }
-        const float s = i8 ? bf(kv.ks[t0 + t]) * scale : scale;
-        for (int i = 0; i < G; i++) sc[i * KVB + t] = _mm512_reduce_add_ps(acc[i]) * s;
+        for (int i = 0; i < G; i++) sc[i * KVB + t] = _mm512_reduce_add_ps(acc[i]) * scale;
     }
     for (int i = 0; i < G; i++) {
         float *p = sc + i * KVB;
@@ -251,9 +362,7 @@ static inline __attribute__((always_inline)) void attend_block_avx512(kv_rows kv
             const __mmask16 k = rows_mask(n - t);
             const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + t), _mm512_set1_ps(m_))));
             vsum = _mm512_add_ps(vsum, e);
-            _mm512_mask_storeu_ps(p + t, k, i8 ? _mm512_mul_ps(e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                                     _mm256_maskz_loadu_epi16(k, kv.vs + t0 + t)), 16)))
-                                               : e);
+            _mm512_mask_storeu_ps(p + t, k, e);
         }
         mx[i] = m_, sm[i] = _mm512_reduce_add_ps(vsum);
     }
@@ -262,7 +371,7 @@ static inline __attribute__((always_inline)) void attend_block_avx512(kv_rows kv
         __m512 a0[8], a1[8];
         for (int i = 0; i < G; i++) a0[i] = a1[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const __m512 v0 = kv16(kv.v, (t0 + t) * D + d, i8), v1 = kv16(kv.v, (t0 + t) * D + d + 16, i8);
+            const __m512 v0 = load_bf16x16((const uint16_t *)kv.v + (t0 + t) * D + d), v1 = load_bf16x16((const uint16_t *)kv.v + (t0 + t) * D + d + 16);
             for (int i = 0; i < G; i++) {
                 const __m512 w = _mm512_set1_ps(sc[i * KVB + t]);
                 a0[i] = _mm512_fmadd_ps(w, v0, a0[i]);
@@ -278,7 +387,7 @@ static inline __attribute__((always_inline)) void attend_block_avx512(kv_rows kv
         __m512 a0[8];
         for (int i = 0; i < G; i++) a0[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const __m512 v0 = kv16(kv.v, (t0 + t) * D + d, i8);
+            const __m512 v0 = load_bf16x16((const uint16_t *)kv.v + (t0 + t) * D + d);
             for (int i = 0; i < G; i++) a0[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[i * KVB + t]), v0, a0[i]);
         }
         for (int i = 0; i < G; i++) _mm512_storeu_ps(o + i * D + d, a0[i]);
@@ -298,10 +407,15 @@ static void attend_block(const sq_model *m, kv_rows kv, const float *qs, int G, 
 #define SQ_BLOCK_CASES(isa) SQ_BLOCK_CASE(isa, 1) SQ_BLOCK_CASE(isa, 2) SQ_BLOCK_CASE(isa, 3) SQ_BLOCK_CASE(isa, 4) \
     SQ_BLOCK_CASE(isa, 5) SQ_BLOCK_CASE(isa, 6) SQ_BLOCK_CASE(isa, 7) SQ_BLOCK_CASE(isa, 8)
 #ifdef SQ_AVX512
-    if (D % 16 == 0) switch (G) { SQ_BLOCK_CASES(avx512) }
+#define SQ_BLOCK_CASE512(g) case g: attend_block_avx512(kv, D, qs, scale, g, t0, t1, sc, o, mx, sm); return;
+    if (D % 16 == 0 && !i8) switch (G) {
+        SQ_BLOCK_CASE512(1) SQ_BLOCK_CASE512(2) SQ_BLOCK_CASE512(3) SQ_BLOCK_CASE512(4)
+        SQ_BLOCK_CASE512(5) SQ_BLOCK_CASE512(6) SQ_BLOCK_CASE512(7) SQ_BLOCK_CASE512(8)
+    }
+#undef SQ_BLOCK_CASE512
 #endif
 #ifdef SQ_AVX2
-    if (D % 8 == 0) switch (G) { SQ_BLOCK_CASES(avx2) }
+    if (D % 8 == 0 && (!i8 || D <= 512)) switch (G) { SQ_BLOCK_CASES(avx2) }
 #endif
 #undef SQ_BLOCK_CASES
 #undef SQ_BLOCK_CASE
