@@ -105,12 +105,6 @@ static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* n (2 or 4) bf16 -> fp32 lanes 0..n-1 (no read past them) */
-static inline __m128 load_bf4(const uint16_t *p, int n) {
-    const __m128i h = n == 4 ? _mm_loadl_epi64((const __m128i *)p) : _mm_cvtsi32_si128(*(const int32_t *)p);
-    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
-}
-
 /* K and V rows ahead of the scores loop (the caches stream from memory at long contexts: without
  * the hint the step waited on each row's line; KV_AHEAD rows ahead covers the latency) */
 #define KV_AHEAD 16
@@ -234,16 +228,16 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
     for (; KT > 1 && t + KT <= n; t += KT) {
         __m256 acc[12];
         for (int j = 0; j < KT * G; j++) acc[j] = _mm256_setzero_ps();
-        for (int u = 0; u < KT; u++) kv_prefetch(kv, i8, D, t0 + t + u + KV_AHEAD);
+        for (int u = 0; u < KT; u++) kv_prefetch(kv, 0, D, t0 + t + u + KV_AHEAD);
         for (int64_t d = 0; d < D; d += 8) {
             __m256 k[4];
-            for (int u = 0; u < KT; u++) k[u] = kv8(kv.k, (t0 + t + u) * D + d, i8);
+            for (int u = 0; u < KT; u++) k[u] = load_bf8((const uint16_t *)kv.k + (t0 + t + u) * D + d);
             for (int i = 0; i < G; i++) {
                 const __m256 qv = _mm256_loadu_ps(qs + i * D + d);
                 for (int u = 0; u < KT; u++) acc[u * G + i] = _mm256_fmadd_ps(qv, k[u], acc[u * G + i]);
             }
         }
-        const __m128 s4 = i8 ? _mm_mul_ps(load_bf4(kv.ks + t0 + t, KT), _mm_set1_ps(scale)) : _mm_set1_ps(scale);
+        const __m128 s4 = _mm_set1_ps(scale);
         for (int i = 0; i < G; i++) {
             const __m128 r = _mm_mul_ps(KT == 4 ? hsum4x8(acc[i], acc[G + i], acc[2 * G + i], acc[3 * G + i])
                                                 : hsum4x8(acc[i], acc[G + i], acc[i], acc[G + i]), s4);
@@ -255,13 +249,12 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
         __m256 acc[8];
         for (int i = 0; i < G; i++) acc[i] = _mm256_setzero_ps();
         const int64_t row = (t0 + t) * D;
-        kv_prefetch(kv, i8, D, t0 + t + KV_AHEAD);
+        kv_prefetch(kv, 0, D, t0 + t + KV_AHEAD);
         for (int64_t d = 0; d < D; d += 8) {
-            const __m256 k = kv8(kv.k, row + d, i8);
+            const __m256 k = load_bf8((const uint16_t *)kv.k + row + d);
             for (int i = 0; i < G; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + i * D + d), k, acc[i]);
         }
-        const float s = i8 ? bf(kv.ks[t0 + t]) * scale : scale;
-        for (int i = 0; i < G; i++) sc[i * KVB + t] = hsum8(acc[i]) * s;
+        for (int i = 0; i < G; i++) sc[i * KVB + t] = hsum8(acc[i]) * scale;
     }
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (int i = 0; i < G; i++) {
