@@ -98,6 +98,24 @@ def test_lite_runtime_long_cache_int8_against_bf16_and_its_own_prompt_path(shape
     assert (out["int8"].argmax(-1) == out["bf16"].argmax(-1)).mean() >= 0.9
 
 
+@pytest.mark.parametrize("shape", ["llama-g2-d32", "mistral-g3-window"])
+def test_long_decode_bits_do_not_depend_on_the_thread_count(shape, long_ctx):
+    """The decode attention's work items (KV head x 128-key block) are cut by position only and
+    combined in block order, and each thread takes a run of them: logits at 2,500 positions are
+    the same bits on 1, 2 and 3 threads (3: the runs' boundaries fall mid-head), both caches."""
+    from sparkq.runtime.lite import load as load_lite
+    _, art, ids, _ = long_ctx(shape)
+    for kv in ("bf16", "int8"):
+        outs = []
+        for threads in (1, 2, 3):
+            m = load_lite(str(art), max_model_len=N_PROMPT + 8, kv_budget_mib=64, threads=threads, kv_dtype=kv)
+            m.prefill(ids[:N_PROMPT - 4])
+            outs.append(np.stack([m.step(ids[i], i).copy() for i in range(N_PROMPT - 4, N_PROMPT)]))
+        assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+        for o in outs[1:]:
+            assert np.array_equal(o, outs[0]), (kv, float(np.abs(o - outs[0]).max()))
+
+
 def test_int8_cache_holds_each_row_within_half_a_step_of_bf16(long_ctx):
     """What the C core writes (prompt path and decode step): per (layer, KV head, position) one
     scale s = bf16(max|row| / 127) and codes within +-127; code * s within s/2 (plus the bf16 row's

@@ -52,7 +52,8 @@ static void quant_q16_ref(const float *qs, int64_t D, int G, float scale, int16_
  * i the max score mx[i], the sum of exponentials sm[i] and o[i*D..] = sum_t e^(score - mx) v_t.
  * sc: [G, KVB] scratch (the scores, then the weights of the V rows: e^(score - mx) times the V
  * scale). bf16 cache: the scores round as the prompt path's portable loop does (the dot, then the
- * scale); int8: quant_q16's integer dots. */
+ * scale); int8: quant_q16's integer dots, and V as v_i8_avx2 computes it (the weights as int16
+ * codes against their max, integer sums with the V codes). */
 static void attend_block_ref(kv_rows kv, int i8, int64_t D, const float *qs, float scale, int G, int64_t t0,
                              int64_t t1, float *sc, float *o, float *mx, float *sm) {
     const int64_t n = t1 - t0;
@@ -76,23 +77,32 @@ static void attend_block_ref(kv_rows kv, int i8, int64_t D, const float *qs, flo
         float *p = sc + i * KVB, m_ = -INFINITY, sum = 0.f;
         for (int64_t t = 0; t < n; t++) m_ = p[t] > m_ ? p[t] : m_;
         for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - m_); sum += p[t]; }
-        if (i8)
-            for (int64_t t = 0; t < n; t++) p[t] *= bf(kv.vs[t0 + t]);
         mx[i] = m_, sm[i] = sum;
+        if (i8) { /* the weights as int16 codes against their max: exact integer sums with the V codes */
+            float pm = 0.f;
+            for (int64_t t = 0; t < n; t++) {
+                p[t] *= bf(kv.vs[t0 + t]);
+                pm = p[t] > pm ? p[t] : pm;
+            }
+            const float inv = pm > 0.f ? 32767.f / pm : 0.f, osc = pm / 32767.f;
+            for (int64_t t = 0; t < n; t++) p[t] = nearbyintf(p[t] * inv);
+            for (int64_t d = 0; d < D; d++) {
+                int32_t acc = 0; /* n <= KVB keys of at most 32767 x 127 */
+                for (int64_t t = 0; t < n; t++) acc += (int32_t)p[t] * ((const int8_t *)kv.v)[(t0 + t) * D + d];
+                o[i * D + d] = (float)acc * osc;
+            }
+            continue;
+        }
         for (int64_t d = 0; d < D; d++) {
             float acc = 0.f;
-            for (int64_t t = 0; t < n; t++) acc += p[t] * kv_at(kv.v, (t0 + t) * D + d, i8);
+            for (int64_t t = 0; t < n; t++) acc += p[t] * kv_at(kv.v, (t0 + t) * D + d, 0);
             o[i * D + d] = acc;
         }
     }
 }
+_Static_assert(KVB * 32767LL * 127 < 2147483647LL, "the int8 cache's V sums of a block must fit int32");
 
 #ifdef SQ_AVX2
-static inline __attribute__((always_inline)) __m256 kv8(const void *p, int64_t i, const int i8) {
-    if (i8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
-    return load_bf8((const uint16_t *)p + i);
-}
-
 static inline float hmax8(__m256 v) {
     __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_max_ps(a, _mm_movehl_ps(a, a));
@@ -206,9 +216,68 @@ static inline __attribute__((always_inline)) void scores_i8_avx2(kv_rows kv, int
     }
 }
 
+/* The int8 cache's V side in integers: head i's weights p (sc rows: e^(score - max) x V scale) as
+ * int16 codes against their max (w = round(p * 32767 / pmax), half to even: at most 1.5e-5 of the
+ * largest weight), two keys' V codes interleaved so one vpmaddwd multiplies both with their
+ * weights; o = (float)sum(w * v) * pmax / 32767, exact int32 sums (n <= KVB keys of at most
+ * 32767 x 127), the reference's arithmetic. Half the multiply instructions of fp32 FMAs over
+ * converted codes. Heads in passes of up to 4, 16 channels per pass over the keys; pmax [G]. */
+static inline __attribute__((always_inline)) void v_i8_avx2(kv_rows kv, int64_t D, const int G, int64_t t0, int64_t n,
+                                                            const float *sc, const float *pmax, float *o) {
+    int16_t wq[8][KVB + 8] __attribute__((aligned(32)));
+    float osc[8];
+    for (int i = 0; i < G; i++) {
+        const float inv = pmax[i] > 0.f ? 32767.f / pmax[i] : 0.f;
+        osc[i] = pmax[i] / 32767.f;
+        const __m256 vi = _mm256_set1_ps(inv);
+        for (int64_t t = 0; t < n; t += 8) {
+            const __m256 pv = _mm256_and_ps(_mm256_loadu_ps(sc + i * KVB + t), _mm256_castsi256_ps(mask8(n - t)));
+            const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(pv, vi));
+            _mm_storeu_si128((__m128i *)(wq[i] + t), _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+        }
+    }
+    const int8_t *V = (const int8_t *)kv.v + t0 * D;
+    for (int i0 = 0; i0 < G; i0 += 4) {
+        const int GG = G - i0 < 4 ? G - i0 : 4;
+        for (int64_t d = 0; d < D; d += 16) {
+            __m256i a[4][2];
+            for (int i = 0; i < GG; i++) a[i][0] = a[i][1] = _mm256_setzero_si256();
+            int64_t t = 0;
+            for (; t + 2 <= n; t += 2) {
+                const __m256i v0 = k16(V + t * D, d, D), v1 = k16(V + (t + 1) * D, d, D);
+                const __m256i lo = _mm256_unpacklo_epi16(v0, v1), hi = _mm256_unpackhi_epi16(v0, v1);
+                for (int i = 0; i < GG; i++) {
+                    int32_t pair;
+                    memcpy(&pair, wq[i0 + i] + t, 4);
+                    const __m256i w = _mm256_set1_epi32(pair);
+                    a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(lo, w));
+                    a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(hi, w));
+                }
+            }
+            if (t < n) { /* the odd last key: its partner row is zeros */
+                const __m256i v0 = k16(V + t * D, d, D), z = _mm256_setzero_si256();
+                const __m256i lo = _mm256_unpacklo_epi16(v0, z), hi = _mm256_unpackhi_epi16(v0, z);
+                for (int i = 0; i < GG; i++) {
+                    const __m256i w = _mm256_set1_epi32((int32_t)(uint16_t)wq[i0 + i][t]);
+                    a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(lo, w));
+                    a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(hi, w));
+                }
+            }
+            /* a[i][0]: channels d+0..3 | d+8..11, a[i][1]: d+4..7 | d+12..15 */
+            for (int i = 0; i < GG; i++) {
+                const __m256 s = _mm256_set1_ps(osc[i0 + i]);
+                float *oi = o + (i0 + i) * D + d;
+                _mm256_storeu_ps(oi, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(a[i][0], a[i][1], 0x20)), s));
+                if (d + 16 <= D)
+                    _mm256_storeu_ps(oi + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(a[i][0], a[i][1], 0x31)), s));
+            }
+        }
+    }
+}
+
 /* attend_block_ref on 8 lanes, G (<= 8) and the cache type fixed at compile time; D % 8 == 0.
- * Scores: each K row converted once for the G heads; V: G x 16 (or 8) outputs in registers over
- * the block's rows. */
+ * Scores: each K row converted once for the G heads; V: int8 cache v_i8_avx2, bf16 G x 32, 16 or
+ * 8 outputs in registers over the block's rows. */
 static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, const int i8, int64_t D, const float *qs,
                                                                     float scale, const int G, int64_t t0, int64_t t1,
                                                                     float *sc, float *o, float *mx, float *sm) {
@@ -257,6 +326,7 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
         for (int i = 0; i < G; i++) sc[i * KVB + t] = hsum8(acc[i]) * scale;
     }
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    float pmax[8];
     for (int i = 0; i < G; i++) {
         float *p = sc + i * KVB;
         __m256 vm = ninf, vsum = _mm256_setzero_ps();
@@ -266,20 +336,32 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
             vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_loadu_ps(p + t), _mm256_castsi256_ps(mask8(n - t))));
         const float m_ = hmax8(vm);
         const __m256 vmx = _mm256_set1_ps(m_);
+        __m256 vpm = _mm256_setzero_ps();
         int64_t t = 0;
         for (; t + 8 <= n; t += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
             vsum = _mm256_add_ps(vsum, e);
-            _mm256_storeu_ps(p + t, i8 ? _mm256_mul_ps(e, load_bf8(kv.vs + t0 + t)) : e);
+            const __m256 w = i8 ? _mm256_mul_ps(e, load_bf8(kv.vs + t0 + t)) : e;
+            if (i8) vpm = _mm256_max_ps(vpm, w);
+            _mm256_storeu_ps(p + t, w);
         }
+        float pm_ = hmax8(vpm);
         if (t < n) {
             float e[8];
             _mm256_storeu_ps(e, _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx)), _mm256_castsi256_ps(mask8(n - t))));
             vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(e));
-            for (int64_t u = t; u < n; u++) p[u] = i8 ? e[u - t] * bf(kv.vs[t0 + u]) : e[u - t];
+            for (int64_t u = t; u < n; u++) {
+                p[u] = i8 ? e[u - t] * bf(kv.vs[t0 + u]) : e[u - t];
+                if (i8) pm_ = p[u] > pm_ ? p[u] : pm_;
+            }
         }
-        mx[i] = m_, sm[i] = hsum8(vsum);
+        mx[i] = m_, sm[i] = hsum8(vsum), pmax[i] = pm_;
     }
+    if (i8) {
+        v_i8_avx2(kv, D, G, t0, n, sc, pmax, o);
+        return;
+    }
+    /* bf16 cache: V in fp32 */
     int64_t d = 0;
     if (G <= 3) /* 4G accumulators: enough independent FMA chains to fill both pipes */
         for (; d + 32 <= D; d += 32) {
@@ -290,7 +372,7 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
                 __m256 w[3];
                 for (int i = 0; i < G; i++) w[i] = _mm256_broadcast_ss(sc + i * KVB + t);
                 for (int c = 0; c < 4; c++) {
-                    const __m256 v = kv8(kv.v, (t0 + t) * D + d + 8 * c, i8);
+                    const __m256 v = load_bf8((const uint16_t *)kv.v + (t0 + t) * D + d + 8 * c);
                     for (int i = 0; i < G; i++) a[i][c] = _mm256_fmadd_ps(w[i], v, a[i][c]);
                 }
             }
@@ -302,7 +384,7 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
             __m256 a0[6], a1[6];
             for (int i = 0; i < G; i++) a0[i] = a1[i] = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; t++) {
-                const __m256 v0 = kv8(kv.v, (t0 + t) * D + d, i8), v1 = kv8(kv.v, (t0 + t) * D + d + 8, i8);
+                const __m256 v0 = load_bf8((const uint16_t *)kv.v + (t0 + t) * D + d), v1 = load_bf8((const uint16_t *)kv.v + (t0 + t) * D + d + 8);
                 for (int i = 0; i < G; i++) {
                     const __m256 w = _mm256_broadcast_ss(sc + i * KVB + t);
                     a0[i] = _mm256_fmadd_ps(w, v0, a0[i]);
@@ -318,7 +400,7 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
         __m256 a0[8];
         for (int i = 0; i < G; i++) a0[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const __m256 v0 = kv8(kv.v, (t0 + t) * D + d, i8);
+            const __m256 v0 = load_bf8((const uint16_t *)kv.v + (t0 + t) * D + d);
             for (int i = 0; i < G; i++) a0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + i * KVB + t), v0, a0[i]);
         }
         for (int i = 0; i < G; i++) _mm256_storeu_ps(o + i * D + d, a0[i]);
@@ -457,7 +539,10 @@ static void attention(const sq_model *m, const sq_layer *L, const float *q, int6
                       float *att) {
     const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim, grp = H / KV, pf = part_floats(m);
     const int64_t start = window_start(L, pos), end = pos + 1, nb = attn_blocks(start, end);
-#pragma omp for schedule(dynamic, 1)
+    /* static: each thread takes a run of consecutive blocks, so the rows the kernel prefetches
+     * past a block's end are its own next item's (dynamic scheduling interleaved the threads'
+     * blocks, and each item began on rows still in memory) */
+#pragma omp for schedule(static)
     for (int64_t it = 0; it < KV * nb; it++)
         attend_item(m, L, q, start, end, it / nb, it % nb, scores + it * grp * KVB, part + it * pf);
 #pragma omp for schedule(static)
