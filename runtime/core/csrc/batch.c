@@ -134,15 +134,23 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                     const int64_t nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
                     nbm = nb > nbm ? nb : nbm;
                 }
+#define SQ_BATCH_ITEM(it) do { \
+                    const int64_t t = (it) / (KV * nbm), g = (it) / nbm % KV, bb = (it) % nbm, start = window_start(L, pos[t]); \
+                    const int64_t nb = attn_blocks(start, pos[t] + 1); \
+                    if (bb < nb) { \
+                        const sq_layer Ls = layer_slot(m, L, kvoff[t]); \
+                        attend_item(m, &Ls, qkv + t * nqkv, start, pos[t] + 1, g, bb, sc + (it) * grp * KVB, \
+                                    part + (t * KV * nbm + g * nb + bb) * pf); \
+                    } \
+                } while (0)
+                if (M == 1) { /* one sequence: sq_step's static runs of blocks (attention.c) */
+#pragma omp for schedule(static)
+                    for (int64_t it = 0; it < KV * nbm; it++) SQ_BATCH_ITEM(it);
+                } else { /* sequences of different lengths: their items balanced dynamically */
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < M * KV * nbm; it++) {
-                    const int64_t t = it / (KV * nbm), g = it / nbm % KV, bb = it % nbm, start = window_start(L, pos[t]);
-                    const int64_t nb = attn_blocks(start, pos[t] + 1);
-                    if (bb >= nb) continue;
-                    const sq_layer Ls = layer_slot(m, L, kvoff[t]);
-                    attend_item(m, &Ls, qkv + t * nqkv, start, pos[t] + 1, g, bb, sc + it * grp * KVB,
-                                part + (t * KV * nbm + g * nb + bb) * pf);
+                    for (int64_t it = 0; it < M * KV * nbm; it++) SQ_BATCH_ITEM(it);
                 }
+#undef SQ_BATCH_ITEM
 #pragma omp for schedule(static)
                 for (int64_t it = 0; it < M * H; it++) {
                     const int64_t t = it / H, hh = it % H, nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
