@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) void attend_block_avx2(kv_rows kv, 
             if (i8) vpm = _mm256_max_ps(vpm, w);
             _mm256_storeu_ps(p + t, w);
         }
-        float pm_ = hmax8(vpm);
+        float pm_ = i8 ? hmax8(vpm) : 0.f; /* the int8 cache's largest V weight (v_i8_avx2) */
         if (t < n) {
             float e[8];
             _mm256_storeu_ps(e, _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx)), _mm256_castsi256_ps(mask8(n - t))));
