@@ -12,7 +12,7 @@ from sparkq.convert.pipeline import Options, convert
 from sparkq.runtime import load
 from sparkq.runtime.errors import RuntimeUserError
 
-N_PROMPT, N_DECODE = 2500, 24  # 20 attention blocks of 128 keys at the end
+N_PROMPT, N_DECODE = 2500, 24  # 10 attention blocks of 256 keys at the end
 # query heads per KV head (G) and head_dim chosen to run each path of csrc/attention.c's decode
 # kernel: G <= 3 (bf16: 4 keys per score pass; int8: key pairs), G 4..6 (bf16: 2 keys; int8: one key
 # at a time; D % 16 != 0: the 8-wide V tail and the 8-code K tail), G > 8 (two passes of 8) with
@@ -100,7 +100,7 @@ def test_lite_runtime_long_cache_int8_against_bf16_and_its_own_prompt_path(shape
 
 @pytest.mark.parametrize("shape", ["llama-g2-d32", "mistral-g3-window"])
 def test_long_decode_bits_do_not_depend_on_the_thread_count(shape, long_ctx):
-    """The decode attention's work items (KV head x 128-key block) are cut by position only and
+    """The decode attention's work items (KV head x 256-key block) are cut by position only and
     combined in block order, and each thread takes a run of them: logits at 2,500 positions are
     the same bits on 1, 2 and 3 threads (3: the runs' boundaries fall mid-head), both caches."""
     from sparkq.runtime.lite import load as load_lite
@@ -114,6 +114,25 @@ def test_long_decode_bits_do_not_depend_on_the_thread_count(shape, long_ctx):
         assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
         for o in outs[1:]:
             assert np.array_equal(o, outs[0]), (kv, float(np.abs(o - outs[0]).max()))
+
+
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_batched_step_over_long_contexts_keeps_each_sequences_bits(kv, long_ctx):
+    """Three sequences of 1, 3 and 10 attention blocks (5, 600 and 2,500 positions) in one
+    sq_step_many: their items scheduled together over the threads, each row the bits sq_step
+    gives that sequence alone."""
+    from sparkq.runtime.lite import load as load_lite
+    _, art, ids, _ = long_ctx("llama-g2-d32")
+    kw = dict(max_model_len=N_PROMPT + 8, kv_budget_mib=64, threads=2, kv_dtype=kv)
+    batch, single = load_lite(str(art), slots=3, **kw), load_lite(str(art), **{**kw, "kv_budget_mib": 64 / 3})
+    lens = [5, 600, N_PROMPT]
+    offs = [i * batch.slot_elems for i in range(3)]
+    for n, off in zip(lens, offs):
+        batch.session.prefill(ids[:n], 0, kvoff=off)
+    got = batch.session.step_many([ids[n] for n in lens], lens, offs)
+    for i, n in enumerate(lens):
+        single.prefill(ids[:n])
+        assert np.array_equal(got[i], single.step(ids[n], n)), (kv, n)
 
 
 def test_int8_cache_holds_each_row_within_half_a_step_of_bf16(long_ctx):

@@ -96,11 +96,12 @@ def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, varia
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 def test_step_many_over_contexts_of_several_attention_blocks(serve_art, kv, kernel_build):
-    """Sequences whose contexts span 1, 2 and 4 of the decode attention's 128-key blocks (split
-    over the threads, reduced per sequence) in one batched step: each row still sq_step's bits."""
+    """Sequences whose contexts span 1 and 2 of the decode attention's 256-key blocks (split over
+    the threads, reduced per sequence) in one batched step: each row still sq_step's bits (more
+    blocks: test_kvcache's long contexts)."""
     batch, single = (_lite(serve_art, n, max_model_len=510, kv_budget_mib=16, kv_dtype=kv) for n in (3, 1))
     rng = np.random.default_rng(0)
-    lens = [5, 250, 500]
+    lens = [5, 300, 500]
     ids = [rng.integers(0, 256, n).tolist() for n in lens]
     offs = [i * batch.slot_elems for i in range(3)]
     for i, p in enumerate(ids):

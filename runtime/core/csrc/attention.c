@@ -9,7 +9,7 @@
  * unnormalized output); attend_finish combines a head's blocks in block order. Long contexts so
  * spread over every thread (split-K), short ones over the KV heads. The cut depends on (start, end)
  * only, so a token's bits depend neither on the thread count nor on the other sequences of a batch. */
-#define KVB 128
+#define KVB 256
 
 typedef struct { const void *k, *v; const uint16_t *ks, *vs; } kv_rows; /* one KV head's rows [cap, D] (+ scales) */
 
