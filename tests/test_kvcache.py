@@ -98,8 +98,9 @@ def test_lite_runtime_long_cache_int8_against_bf16_and_its_own_prompt_path(shape
     assert (out["int8"].argmax(-1) == out["bf16"].argmax(-1)).mean() >= 0.9
 
 
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 @pytest.mark.parametrize("shape", ["llama-g2-d32", "mistral-g3-window"])
-def test_long_decode_bits_do_not_depend_on_the_thread_count(shape, long_ctx):
+def test_long_decode_bits_do_not_depend_on_the_thread_count(shape, kernel_build, long_ctx):
     """The decode attention's work items (KV head x 256-key block) are cut by position only and
     combined in block order, and each thread takes a run of them: logits at 2,500 positions are
     the same bits on 1, 2 and 3 threads (3: the runs' boundaries fall mid-head), both caches."""
@@ -116,8 +117,9 @@ def test_long_decode_bits_do_not_depend_on_the_thread_count(shape, long_ctx):
             assert np.array_equal(o, outs[0]), (kv, float(np.abs(o - outs[0]).max()))
 
 
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
-def test_batched_step_over_long_contexts_keeps_each_sequences_bits(kv, long_ctx):
+def test_batched_step_over_long_contexts_keeps_each_sequences_bits(kv, kernel_build, long_ctx):
     """Three sequences of 1, 3 and 10 attention blocks (5, 600 and 2,500 positions) in one
     sq_step_many: their items scheduled together over the threads, each row the bits sq_step
     gives that sequence alone."""
