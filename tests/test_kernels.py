@@ -335,7 +335,9 @@ def test_g32_prompts_go_through_the_c_core(tmp_path, kernel_build, kind):
     """g32 linears (the bit budget's pick for its most sensitive linears) pair in the SIMD
     products (a scale per 128-bit lane): the prompt goes through sq_prefill, not the torch
     prefill, no further from fp32 compute than the torch prefill, and equal up to summation
-    order to one decode step per token (the bounds of the test below)."""
+    order to one decode step per token (the bounds of the test below). On an AVX512-BF16 CPU the
+    int4 prompt (40 tokens: from 32 on) takes the bf16 GEMM instead, so there the decode steps
+    agree within test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8's budget."""
     from sparkq.runtime import load
 
     src = make_llama(tmp_path / "m", hidden=128, inter=384, layers=2)
@@ -350,7 +352,10 @@ def test_g32_prompts_go_through_the_c_core(tmp_path, kernel_build, kind):
     assert ec[len(ec) // 2] < 1.6 and ec[-1] < 2.5 and ec[len(ec) // 2] <= et[len(et) // 2], (ec, et)
     steps = torch.cat([m.forward(t[i:i + 1], i) for i in range(len(t))])
     rel = ((c - steps).abs().amax(-1) / steps.abs().amax(-1)).sort().values
-    assert rel[len(rel) // 2] < 1e-4 and rel[-1] < 0.03, rel
+    if kind == "int4" and m.fast.lib.sq_prefill_bf16():  # measured (avx512-bf16): median 1.6%, max 3.1%
+        assert rel[len(rel) // 2] < 0.04 and rel[-1] < 0.1, rel
+    else:
+        assert rel[len(rel) // 2] < 1e-4 and rel[-1] < 0.03, rel
 
 
 # head_dim 24: the AVX512 prefill's P.V on 16 columns, then 8; 64 and 128: the AVX512 decode
