@@ -477,6 +477,42 @@ def test_simd_and_scalar_steps_agree_and_positions_are_checked(tiny_tied_art, mo
     assert d[len(d) // 2] < 1e-4 and d[-1] < 0.03, d
 
 
+@pytest.mark.parametrize("kind,g", [("int4", 32), ("lut4", 32), ("int4", 64)])
+@pytest.mark.parametrize("build", kernel_builds(*SIMD))
+def test_simd_products_of_rows_ending_in_half_a_quad_agree_with_scalar(tmp_path, monkeypatch, build, kind, g):
+    """Rows of K % 128 == 64 columns (hidden 192, intermediate 320; the example's 576): the AVX512
+    products (quad order, g32 and g64) end in a 64-column half step whose weight scales are one
+    group's (g64) or two (g32). Each SIMD build's decode steps agree with the portable build's from
+    the same cache, and its prompt (30 tokens: the W4A8 GEMM on every build) with its own decode
+    steps over the cache the prompt wrote, up to summation order (the bounds of the test above; a
+    prompt against another build's prompt would compare two caches: one int8 code moved early
+    shifts every later position)."""
+    from sparkq.runtime import load
+
+    src = make_llama(tmp_path / "m", hidden=192, inter=320, layers=2, heads=6, kv_heads=2, seed=4)
+    out = tmp_path / "q"
+    convert(str(src), str(out), Options(progress=False, method="minmax", group_size=g, kind=kind))
+    models = {}
+    for v in (build, "scalar"):
+        monkeypatch.setenv("SPARKQ_KERNEL", v)
+        models[v] = load(str(out), max_model_len=64, kv_dtype="bf16").model
+    nat, sca = models[build], models["scalar"]
+    assert {lin.g for name, lin in nat.lin.items() if name.startswith("layers.")} == {g}
+    t = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(7))
+    c = nat.forward(t, 0, last_only=False)
+    k0, v0 = nat.cache.k.clone(), nat.cache.v.clone()
+    steps, d = [], []
+    for i in range(len(t)):  # each step from the cache the prompt wrote, on both builds
+        nat.cache.k.copy_(k0), nat.cache.v.copy_(v0), sca.cache.k.copy_(k0), sca.cache.v.copy_(v0)
+        x, y = nat.forward(t[i:i + 1], i), sca.forward(t[i:i + 1], i)
+        steps.append(x)
+        d.append(((x - y).abs().max() / y.abs().max()).item())
+    d.sort()
+    assert d[len(d) // 2] < 1e-4 and d[-1] < 0.03, d
+    rel = ((c - torch.cat(steps)).abs().amax(-1) / c.abs().amax(-1)).sort().values
+    assert rel[len(rel) // 2] < 1e-4 and rel[-1] < 0.03, rel
+
+
 def test_build_cache_is_keyed_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKQ_CACHE", str(tmp_path))
     path, secs = K_.build("scalar")

@@ -55,8 +55,8 @@ static void sq_act_free(sq_act *a) {
 static void quantize_act(const float *x, const sq_linear *L, sq_act *a) {
     const int64_t k = L->k, G = is_q4(L) ? L->g : 32;
     a->x = x;
-#if defined(SQ_AVX512) /* quad where a 16-row chunk's scales fit gemv_q4_a8quad_avx512's buffer; g32 paired */
-    a->paired = is_q4(L) && k % 64 == 0 && (G % 64 == 0 || G == 32) ? (G % 64 == 0 && k / G <= QUAD_MAX_GROUPS ? 2 : 1) : 0;
+#if defined(SQ_AVX512) /* quad where a 16-row chunk's scales fit gemv_q4_a8quad_avx512's buffer, else paired */
+    a->paired = is_q4(L) && k % 64 == 0 && (G % 64 == 0 || G == 32) ? (k / G <= QUAD_MAX_GROUPS ? 2 : 1) : 0;
 #elif defined(SQ_AVX2)
     a->paired = is_q4(L) && k % 64 == 0 && (G % 64 == 0 || G == 32);
 #else

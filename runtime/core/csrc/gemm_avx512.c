@@ -50,10 +50,10 @@ static inline __attribute__((always_inline)) void tile_q4_a8quad_avx512(const sq
     float tl[PR][PT];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) tl[r][t] = 0.f;
-    if (tail) /* K % 128 == 64: the last 64 columns, one group (g = 64) */
+    if (tail) /* K % 128 == 64: the last 64 columns (g = 64: one group; g = 32: two) */
         for (int r = 0; r < R; r++)
             for (int t = 0; t < T; t++)
-                tl[r][t] = half_step(L->q + (n + r) * rb, xq[t], xs8[t], q1, tab[r], LUT) * sw[r * ng + ng - 1];
+                tl[r][t] = half_step(L->q + (n + r) * rb, xq[t], xs8[t], q1, tab[r], sw + r * ng, 1, ng, gsh, LUT);
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) {
             float *o = Y + (t0 + t) * ldy + col + r;

@@ -3,32 +3,45 @@
  * than QUAD_MAX_GROUPS. */
 #ifdef SQ_AVX512
 /* The weight scales of quad step p (128 columns) from a row's fp32 group scales s: one group
- * (g >= 128; gsh = log2(g / 128)) or two (g = 64, gsh < 0: lanes 0-7, 8-15). */
+ * (g >= 128; gsh = log2(g / 128)), two (g = 64, gsh -1: lanes 0-7, 8-15) or four (g = 32, gsh
+ * -2: lanes 4j..4j+3 block 4p + j). */
 static inline __m512 step_scales(const float *s, int gsh, int64_t p, int64_t st) { /* s[st * group] */
+    if (gsh == -2)
+        return _mm512_mask_blend_ps(0xff00, _mm512_mask_blend_ps(0x00f0, _mm512_set1_ps(s[st * 4 * p]), _mm512_set1_ps(s[st * (4 * p + 1)])),
+                                    _mm512_mask_blend_ps(0xf000, _mm512_set1_ps(s[st * (4 * p + 2)]), _mm512_set1_ps(s[st * (4 * p + 3)])));
     if (gsh < 0) return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[st * 2 * p]), _mm512_set1_ps(s[st * (2 * p + 1)]));
     return _mm512_set1_ps(s[st * (p >> gsh)]);
 }
 
-static inline int group_shift(int64_t G) { return G == 64 ? -1 : __builtin_ctzll((uint64_t)G) - 7; }
+static inline int group_shift(int64_t G) { return G == 32 ? -2 : G == 64 ? -1 : __builtin_ctzll((uint64_t)G) - 7; }
 
-/* One quad step p (128 columns) of one row w: the 16 lanes' integer dot products (each over
- * the 8 columns of one activation scale), as fp32; the bytes `ahead` of them prefetched. lut4
- * (LUT = 1): the codes pick the row's levels + 128 (unsigned, as vpdpbusd wants) from tab, its 16
- * levels in every 128-bit lane; the caller subtracts the 128 with the zero terms. */
-static inline __attribute__((always_inline)) __m512 quad_dot(const uint8_t *w, const uint8_t *ahead, __m512i xl,
-                                                             __m512i xh, int64_t p, __m512i tab, const int LUT) {
+/* One quad step p (128 columns) of one row w unpacked: its low and high nibbles, or for lut4 (LUT =
+ * 1) the row's levels + 128 they pick (unsigned, as vpdpbusd wants) from tab, its 16 levels in
+ * every 128-bit lane (the caller subtracts the 128 with the zero terms); the bytes `ahead` of them
+ * prefetched. */
+static inline __attribute__((always_inline)) void quad_codes(const uint8_t *w, const uint8_t *ahead, int64_t p, __m512i tab,
+                                                             __m512i *lo, __m512i *hi, const int LUT) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), wv = _mm512_loadu_si512((const void *)(w + 64 * p));
     _mm_prefetch((const char *)(ahead + 64 * p), _MM_HINT_T0);
-    __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-    if (LUT) lo = _mm512_shuffle_epi8(tab, lo), hi = _mm512_shuffle_epi8(tab, hi);
+    *lo = _mm512_and_si512(wv, m4), *hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+    if (LUT) *lo = _mm512_shuffle_epi8(tab, *lo), *hi = _mm512_shuffle_epi8(tab, *hi);
+}
+
+/* the 16 lanes' integer dot products of step p's codes with one token's activations (each lane
+ * over the 8 columns of one activation scale), as fp32 */
+static inline __attribute__((always_inline)) __m512 quad_dot(const sq_act *x, int64_t p, __m512i lo, __m512i hi) {
+    const __m512i xl = _mm512_loadu_si512((const void *)(x->q + 128 * p));
+    const __m512i xh = _mm512_loadu_si512((const void *)(x->q + 128 * p + 64));
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
 }
 
-/* The half step after the last whole quad (K % 128 == 64, then g = 64: one group): row w's
- * codes of blocks 4p, 4p + 1 against their quad-order activations through 256-bit VNNI, times
- * the activation scales, summed (the weight scale is the caller's). */
+/* The half step after the last whole quad (K % 128 == 64, then g = 64 or 32): row w's codes of
+ * blocks 4p, 4p + 1 against their quad-order activations through 256-bit VNNI, times the
+ * activation scales and the weight scales s[st * group] (g = 64: the one group's scale times the
+ * sum; g = 32: lanes 0-3 the next-to-last group's, 4-7 the last's, before the sum). */
 static inline __attribute__((always_inline)) float half_step(const uint8_t *w, const int8_t *xq, const float *s8,
-                                                             int64_t p, __m512i tab, const int LUT) {
+                                                             int64_t p, __m512i tab, const float *s, int64_t st,
+                                                             int64_t ng, int gsh, const int LUT) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
     __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
     if (LUT) {
@@ -37,46 +50,55 @@ static inline __attribute__((always_inline)) float half_step(const uint8_t *w, c
     }
     __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq + 128 * p)));
     d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(xq + 128 * p + 64)));
-    return hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p)));
+    const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p));
+    if (gsh == -2) return hsum8(_mm256_mul_ps(x, _mm256_set_m128(_mm_set1_ps(s[st * (ng - 1)]), _mm_set1_ps(s[st * (ng - 2)]))));
+    return hsum8(x) * s[st * (ng - 1)];
 }
 
-/* One row n of int4 x quad int8 activations (VNNI). sc: the row's fp32 weight scales, one every
- * 16 floats (its chunk's scales are group-major: sc[16 gi + row]); zt: its zero and -8 terms.
- * Per 128 columns one 64-byte weight load, two masks, two vpdpbusd, a convert and two FMAs
- * (activation scales, weight scales; g >= 256: the weight scale once per group, through a group
- * accumulator); a last half step (K % 128 == 64, then g = 64) goes through 256-bit VNNI. */
-static inline __attribute__((always_inline)) void row_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y,
-                                                                       int64_t n, const float *sc, float zt, int64_t ahead,
-                                                                       const int LUT) {
+/* One row n of int4 x quad int8 activations (VNNI; g 32, 64, or a multiple of 128) for T tokens
+ * (1..4; outputs y + t * ldy): each step's codes unpacked once for all T, every token's arithmetic
+ * the single-token product's (the batched decode step's bits are the decode step's). sc: the
+ * row's fp32 weight scales, one every 16 floats (its chunk's scales are group-major: sc[16 gi +
+ * row]); zt[16 t]: token t's zero and -8 terms. Per 128 columns one 64-byte weight load, two
+ * masks, and per token two vpdpbusd, a convert and two FMAs (activation scales, weight scales;
+ * g >= 256: the weight scale once per group, through a group accumulator); a last half step
+ * (K % 128 == 64, then g = 64 or 32) goes through 256-bit VNNI. */
+static inline __attribute__((always_inline)) void row_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
+                                                                       float *y, int64_t ldy, int64_t n, const float *sc,
+                                                                       const float *zt, int64_t ahead, const int LUT) {
     const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
     const uint8_t *w = L->q + n * rb, *wa = w + ahead * rb;
     const __m512i tab = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n))),
                                                _mm512_set1_epi8((char)0x80))
                             : _mm512_setzero_si512();
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    __m512i lo, hi;
     if (G <= 128) { /* one step per scale vector: no group accumulator */
         const int gsh = group_shift(G);
         for (int64_t p = 0; p < nq; p++) {
-            const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
-            const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
-            const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(w, wa, xl, xh, p, tab, LUT), xs), step_scales(sc, gsh, p, 16), acc);
+            quad_codes(w, wa, p, tab, &lo, &hi, LUT);
+            const __m512 ws = step_scales(sc, gsh, p, 16);
+            for (int t = 0; t < T; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(a + t, p, lo, hi), _mm512_loadu_ps(a[t].s8 + 16 * p)), ws, acc[t]);
         }
     } else {
         const int64_t spg = G / 128;
         for (int64_t gi = 0; gi < ng; gi++) {
-            __m512 gacc = _mm512_setzero_ps();
+            __m512 gacc[4];
+            for (int t = 0; t < T; t++) gacc[t] = _mm512_setzero_ps();
             for (int64_t p = gi * spg; p < (gi + 1) * spg; p++) {
-                const __m512i xl = _mm512_loadu_si512((const void *)(a->q + 128 * p));
-                const __m512i xh = _mm512_loadu_si512((const void *)(a->q + 128 * p + 64));
-                const __m512 xs = _mm512_loadu_ps(a->s8 + 16 * p);
-                gacc = _mm512_fmadd_ps(quad_dot(w, wa, xl, xh, p, tab, LUT), xs, gacc);
+                quad_codes(w, wa, p, tab, &lo, &hi, LUT);
+                for (int t = 0; t < T; t++)
+                    gacc[t] = _mm512_fmadd_ps(quad_dot(a + t, p, lo, hi), _mm512_loadu_ps(a[t].s8 + 16 * p), gacc[t]);
             }
-            acc = _mm512_fmadd_ps(gacc, _mm512_set1_ps(sc[16 * gi]), acc);
+            for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(gacc[t], _mm512_set1_ps(sc[16 * gi]), acc[t]);
         }
     }
-    const float t = K % 128 ? half_step(w, a->q, a->s8, nq, tab, LUT) * sc[16 * (ng - 1)] : 0.f;
-    y[n] = _mm512_reduce_add_ps(acc) + t + zt;
+    for (int t = 0; t < T; t++) {
+        const float tl = K % 128 ? half_step(w, a[t].q, a[t].s8, nq, tab, sc, 16, ng, group_shift(G), LUT) : 0.f;
+        y[t * ldy + n] = _mm512_reduce_add_ps(acc[t]) + tl + zt[16 * t];
+    }
 }
 
 /* Rows [r0, r1), 16 at a time. A chunk's scales and zeros are one cache line per group
@@ -92,39 +114,67 @@ static inline __attribute__((always_inline)) void row_x4_a8quad_avx512(const sq_
  * followed worse: every body product of the 1.7B shape in step order (scratch ctypes script,
  * not kept; 3 interleaved rounds with a streaming-read probe) 27.6 -> 33.0-34.0 GB/s on one
  * thread (probe ~41), 34 -> 40 on two (probe ~49). */
-static inline __attribute__((always_inline)) void chunk_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y,
-                                                                         int64_t r0, int64_t r1, const int LUT) {
+static inline __attribute__((always_inline)) void chunk_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
+                                                                         float *y, int64_t ldy, int64_t r0, int64_t r1,
+                                                                         const int LUT) {
     const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, nr = r1 - r0;
     const int64_t ahead = rows_ahead(rb, 8192);
-    float sc[16 * QUAD_MAX_GROUPS] __attribute__((aligned(64))), zt[16];
+    float sc[16 * QUAD_MAX_GROUPS] __attribute__((aligned(64))), zt[4][16];
     const __mmask16 valid = rows_mask(nr);
     const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000);
-    __m512 ztv = _mm512_setzero_ps();
+    __m512 ztv[4];
+    for (int t = 0; t < T; t++) ztv[t] = _mm512_setzero_ps();
     for (int64_t gi = 0; gi < ng; gi++) {
         const uint16_t *p = L->sz + 2 * (gi * N + r0);
         const __m512i v = _mm512_maskz_loadu_epi32(valid, (const void *)p); /* (scale, zero) per row, scale low */
         const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), z = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
         _mm512_store_ps(sc + 16 * gi, s);
-        ztv = _mm512_add_ps(ztv, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_set1_ps(a->gsum[gi])),
-                                               _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(LUT ? 128.f : 8.f), s),
-                                                             _mm512_set1_ps(a->gqsum[gi]))));
+        for (int t = 0; t < T; t++)
+            ztv[t] = _mm512_add_ps(ztv[t], _mm512_sub_ps(_mm512_mul_ps(z, _mm512_set1_ps(a[t].gsum[gi])),
+                                                         _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(LUT ? 128.f : 8.f), s),
+                                                                       _mm512_set1_ps(a[t].gqsum[gi]))));
     }
-    _mm512_storeu_ps(zt, ztv);
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(zt[t], ztv[t]);
     const int64_t per = (ng + 15) / 16; /* scale lines of the chunk 3 on, spread over the rows */
     for (int64_t i = 0; i < nr; i++) {
         if (r0 + 64 < N)
             for (int64_t gi = i * per; gi < (i + 1) * per && gi < ng; gi++)
                 _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
-        row_x4_a8quad_avx512(L, a, y, r0 + i, sc + i, zt[i], ahead, LUT);
+        row_x4_a8quad_avx512(L, a, T, y, ldy, r0 + i, sc + i, zt[0] + i, ahead, LUT);
     }
 }
 
 static void gemv_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
-    for (int64_t c = r0; c < r1; c += 16) chunk_x4_a8quad_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1, 0);
+    for (int64_t c = r0; c < r1; c += 16) chunk_x4_a8quad_avx512(L, a, 1, y, 0, c, c + 16 < r1 ? c + 16 : r1, 0);
 }
 
 static void gemv_l4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
-    for (int64_t c = r0; c < r1; c += 16) chunk_x4_a8quad_avx512(L, a, y, c, c + 16 < r1 ? c + 16 : r1, 1);
+    for (int64_t c = r0; c < r1; c += 16) chunk_x4_a8quad_avx512(L, a, 1, y, 0, c, c + 16 < r1 ? c + 16 : r1, 1);
+}
+
+/* rows [r0, r1) for M tokens (outputs y + t * ldy), four tokens per pass over a chunk: its scales
+ * converted and each step's codes unpacked once for the four; every token's arithmetic is the
+ * single-token product's, so the same bits (batch.c) */
+static void gemv_4bit_a8quad_many_avx512(const sq_linear *L, const sq_act *a, int64_t M, float *y, int64_t ldy,
+                                         int64_t r0, int64_t r1) {
+    const int lut = L->kind == KIND_LUT4;
+    for (int64_t c = r0; c < r1; c += 16) {
+        const int64_t c1 = c + 16 < r1 ? c + 16 : r1;
+        for (int64_t t0 = 0; t0 < M; t0 += 4) {
+            const sq_act *x = a + t0;
+            float *yt = y + t0 * ldy;
+            switch ((M - t0 < 4 ? M - t0 : 4) * 2 + lut) {
+            case 2: chunk_x4_a8quad_avx512(L, x, 1, yt, ldy, c, c1, 0); break;
+            case 3: chunk_x4_a8quad_avx512(L, x, 1, yt, ldy, c, c1, 1); break;
+            case 4: chunk_x4_a8quad_avx512(L, x, 2, yt, ldy, c, c1, 0); break;
+            case 5: chunk_x4_a8quad_avx512(L, x, 2, yt, ldy, c, c1, 1); break;
+            case 6: chunk_x4_a8quad_avx512(L, x, 3, yt, ldy, c, c1, 0); break;
+            case 7: chunk_x4_a8quad_avx512(L, x, 3, yt, ldy, c, c1, 1); break;
+            case 8: chunk_x4_a8quad_avx512(L, x, 4, yt, ldy, c, c1, 0); break;
+            default: chunk_x4_a8quad_avx512(L, x, 4, yt, ldy, c, c1, 1); break;
+            }
+        }
+    }
 }
 #endif
 

@@ -96,7 +96,8 @@ static int claim(sq_slot *s, uint64_t ep, uint64_t lo0, uint64_t hi0, int back, 
 
 /* rows [r0, r1) of Y[t] = L x_t (+ bias) for M tokens (Y + t * ldy): the batched decode step's
  * products (batch.c). Each token's result is the single-token product's (rows()), bit for bit:
- * AVX2 int4/lut4 share each row's unpacked codes between four tokens; the other kinds and builds
+ * int4/lut4 share each row's unpacked codes between four tokens (AVX512: and its chunk's scales,
+ * converted once); the other kinds and builds
  * run rows() per token on the row chunk, still in cache from the previous token. */
 static void rows_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, int64_t ldy, int64_t r0, int64_t r1) {
     if (M == 1) { /* the decode step's products */
@@ -104,8 +105,13 @@ static void rows_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, 
         return;
     }
 #if defined(SQ_AVX2) && !defined(SQ_EXACT)
-    if (is_q4(L) && a[0].paired == 1) {
-        gemv_4bit_a8pair_many_avx2(L, a, M, Y, ldy, r0, r1);
+    void (*many)(const sq_linear *, const sq_act *, int64_t, float *, int64_t, int64_t, int64_t) = NULL;
+    if (is_q4(L) && a[0].paired == 1) many = gemv_4bit_a8pair_many_avx2;
+#ifdef SQ_AVX512
+    if (is_q4(L) && a[0].paired == 2) many = gemv_4bit_a8quad_many_avx512;
+#endif
+    if (many) {
+        many(L, a, M, Y, ldy, r0, r1);
         if (L->bias)
             for (int64_t t = 0; t < M; t++)
                 for (int64_t n = r0; n < r1; n++) Y[t * ldy + n] += bf(L->bias[n]);
