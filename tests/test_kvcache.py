@@ -206,7 +206,9 @@ def test_depth_and_rounding_tools_run(long_ctx, tmp_path):
 def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
     """tools/attnbench.c (docs/long-context.md's kernel timings) compiles against csrc and runs;
     its portable build (SQ_SCALAR) and this CPU's widest build give the same attention output
-    (the checksum of every head's result) on an odd-length cache of 2,000+ positions"""
+    (the checksum of every head's result) on an odd-length cache of 2,000+ positions, at head_dim
+    40 (an 8-code K tail) and 64 with 5 query heads per KV head (AVX512: the int8 cache's V on
+    64 channels per pass, heads in passes of 4)"""
     import re
     import subprocess
     from pathlib import Path
@@ -214,17 +216,21 @@ def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
     root = Path(__file__).resolve().parents[1]
     cc = builds.compiler()
     assert cc, "no C compiler"
-    out = {}
+    exes = {}
     for name, flags in {"portable": ["-DSQ_SCALAR"], "native": ["-march=native"]}.items():
-        exe = tmp_path / name
+        exes[name] = tmp_path / name
         p = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", *flags, "-I", str(root / "runtime/core/csrc"),
-                            str(root / "tools/attnbench.c"), "-o", str(exe), "-lm"], capture_output=True, text=True, timeout=300)
+                            str(root / "tools/attnbench.c"), "-o", str(exes[name]), "-lm"], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
-        # 2 layers, 2,051 positions (16 full blocks + 3), 6 query heads on 2 KV heads of 40 (an 8-code K tail)
-        p = subprocess.run([str(exe), "2", "2051", "6", "2", "40", "1" if cache == "int8" else "0", "0", "3"],
-                           capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "2"})
-        assert p.returncode == 0, p.stderr
-        m = re.search(r"median ([\d.]+) ms per step .* \(checksum (\S+)\)", p.stdout)
-        assert m and p.stdout.startswith(f"{cache} cache, 2 layers x 2 KV heads x 2051 positions, head_dim 40, G 3"), p.stdout
-        out[name] = float(m.group(2))
-    assert out["portable"] != 0 and abs(out["native"] - out["portable"]) <= 1e-3 * abs(out["portable"]), out
+    # 2 layers, 2,051 positions (8 full blocks + 3: an odd last key), (query heads, KV heads, head_dim)
+    for heads, kv, dim in [(6, 2, 40), (10, 2, 64)]:
+        out = {}
+        for name, exe in exes.items():
+            p = subprocess.run([str(exe), "2", "2051", str(heads), str(kv), str(dim), "1" if cache == "int8" else "0", "0", "3"],
+                               capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "2"})
+            assert p.returncode == 0, p.stderr
+            m = re.search(r"median ([\d.]+) ms per step .* \(checksum (\S+)\)", p.stdout)
+            assert m and p.stdout.startswith(f"{cache} cache, 2 layers x {kv} KV heads x 2051 positions, head_dim {dim}, "
+                                             f"G {heads // kv}"), p.stdout
+            out[name] = float(m.group(2))
+        assert out["portable"] != 0 and abs(out["native"] - out["portable"]) <= 1e-3 * abs(out["portable"]), (dim, out)

@@ -152,6 +152,16 @@ static inline int32_t hsum_i32x8(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
 }
 
+/* acc + the pairwise int16 products of a and b: one vpdpwssd where AVX512-VNNI is (VL: on 8 lanes;
+ * it wraps as vpaddd does, so the same bits), vpmaddwd + vpaddd on AVX2 */
+static inline __attribute__((always_inline)) __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+#ifdef SQ_AVX512
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 /* 16 K codes at d as int16 (8 when only 8 are left: the rest 0, so the q codes they meet, past
  * the head's row but inside qi, add nothing) */
 static inline __attribute__((always_inline)) __m256i k16(const int8_t *k, int64_t d, int64_t D) {
@@ -164,7 +174,7 @@ static inline __attribute__((always_inline)) void dots_i8_avx2(const int8_t *k, 
     for (int i = 0; i < G; i++) a[i] = _mm256_setzero_si256();
     for (int64_t d = 0; d < D; d += 16) {
         const __m256i x = k16(k, d, D);
-        for (int i = 0; i < G; i++) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(qi + i * D + d)), x));
+        for (int i = 0; i < G; i++) a[i] = madd_acc(a[i], _mm256_loadu_si256((const __m256i *)(qi + i * D + d)), x);
     }
 }
 
@@ -189,8 +199,8 @@ static inline __attribute__((always_inline)) void scores_i8_avx2(kv_rows kv, int
                     const __m256i x0 = k16(k0, d, D), x1 = k16(k1, d, D);
                     for (int i = 0; i < G; i++) {
                         const __m256i qv = _mm256_loadu_si256((const __m256i *)(qi + i * D + d));
-                        a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(qv, x0));
-                        a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(qv, x1));
+                        a0[i] = madd_acc(a0[i], qv, x0);
+                        a1[i] = madd_acc(a1[i], qv, x1);
                     }
                 }
                 for (int i = 0; i < G; i++) P[i][u] = _mm256_hadd_epi32(a0[i], a1[i]);
@@ -216,6 +226,52 @@ static inline __attribute__((always_inline)) void scores_i8_avx2(kv_rows kv, int
     }
 }
 
+#ifdef SQ_AVX512
+/* v_i8_avx2's sums on 16 lanes (the same weight codes, so the same exact sums and bits), D % 64 == 0:
+ * 64 channels per pass over the keys, each pair of V rows converted and interleaved once for up
+ * to 4 heads (4 accumulators each: 32 registers hold them), where v_i8_avx2 converts every row
+ * once per 16 channels. wq: the weights' int16 codes [G][KVB + 8], osc [G]. */
+static inline __attribute__((always_inline)) void v_i8_avx512(const int8_t *V, int64_t D, const int G, int64_t n,
+                                                              const int16_t (*wq)[KVB + 8], const float *osc, float *o) {
+    /* lanes of an unpacked pair (per 128-bit lane k: lo channels 8k..8k+3, hi 8k+4..8k+7) back in channel order */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i0 = 0; i0 < G; i0 += 4) {
+        const int GG = G - i0 < 4 ? G - i0 : 4;
+        for (int64_t d = 0; d < D; d += 64) {
+            __m512i a[4][4];
+            for (int i = 0; i < GG; i++)
+                for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_si512();
+            for (int64_t t = 0; t < n; t += 2) {
+                const int8_t *r0 = V + t * D + d, *r1 = r0 + D;
+                const int two = t + 1 < n; /* the odd last key: its partner row is zeros */
+                const __m512i v0a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)r0));
+                const __m512i v0b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r0 + 32)));
+                const __m512i v1a = two ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)r1)) : _mm512_setzero_si512();
+                const __m512i v1b = two ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r1 + 32))) : _mm512_setzero_si512();
+                const __m512i u[4] = {_mm512_unpacklo_epi16(v0a, v1a), _mm512_unpackhi_epi16(v0a, v1a),
+                                      _mm512_unpacklo_epi16(v0b, v1b), _mm512_unpackhi_epi16(v0b, v1b)};
+                for (int i = 0; i < GG; i++) {
+                    int32_t pair;
+                    if (two) memcpy(&pair, wq[i0 + i] + t, 4);
+                    else pair = (int32_t)(uint16_t)wq[i0 + i][t];
+                    const __m512i w = _mm512_set1_epi32(pair);
+                    for (int c = 0; c < 4; c++) a[i][c] = _mm512_dpwssd_epi32(a[i][c], u[c], w);
+                }
+            }
+            for (int i = 0; i < GG; i++) {
+                const __m512 sv = _mm512_set1_ps(osc[i0 + i]);
+                float *oi = o + (i0 + i) * D + d;
+                _mm512_storeu_ps(oi, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a[i][0], first, a[i][1])), sv));
+                _mm512_storeu_ps(oi + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a[i][0], second, a[i][1])), sv));
+                _mm512_storeu_ps(oi + 32, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a[i][2], first, a[i][3])), sv));
+                _mm512_storeu_ps(oi + 48, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a[i][2], second, a[i][3])), sv));
+            }
+        }
+    }
+}
+#endif
+
 /* The int8 cache's V side in integers: head i's weights p (sc rows: e^(score - max) x V scale) as
  * int16 codes against their max (w = round(p * 32767 / pmax), half to even: at most 1.5e-5 of the
  * largest weight), two keys' V codes interleaved so one vpmaddwd multiplies both with their
@@ -237,6 +293,12 @@ static inline __attribute__((always_inline)) void v_i8_avx2(kv_rows kv, int64_t 
         }
     }
     const int8_t *V = (const int8_t *)kv.v + t0 * D;
+#ifdef SQ_AVX512
+    if (D % 64 == 0) {
+        v_i8_avx512(V, D, G, n, (const int16_t (*)[KVB + 8])wq, osc, o);
+        return;
+    }
+#endif
     for (int i0 = 0; i0 < G; i0 += 4) {
         const int GG = G - i0 < 4 ? G - i0 : 4;
         for (int64_t d = 0; d < D; d += 16) {
@@ -250,8 +312,8 @@ static inline __attribute__((always_inline)) void v_i8_avx2(kv_rows kv, int64_t 
                     int32_t pair;
                     memcpy(&pair, wq[i0 + i] + t, 4);
                     const __m256i w = _mm256_set1_epi32(pair);
-                    a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(lo, w));
-                    a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(hi, w));
+                    a[i][0] = madd_acc(a[i][0], lo, w);
+                    a[i][1] = madd_acc(a[i][1], hi, w);
                 }
             }
             if (t < n) { /* the odd last key: its partner row is zeros */
@@ -259,8 +321,8 @@ static inline __attribute__((always_inline)) void v_i8_avx2(kv_rows kv, int64_t 
                 const __m256i lo = _mm256_unpacklo_epi16(v0, z), hi = _mm256_unpackhi_epi16(v0, z);
                 for (int i = 0; i < GG; i++) {
                     const __m256i w = _mm256_set1_epi32((int32_t)(uint16_t)wq[i0 + i][t]);
-                    a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(lo, w));
-                    a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(hi, w));
+                    a[i][0] = madd_acc(a[i][0], lo, w);
+                    a[i][1] = madd_acc(a[i][1], hi, w);
                 }
             }
             /* a[i][0]: channels d+0..3 | d+8..11, a[i][1]: d+4..7 | d+12..15 */
