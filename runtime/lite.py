@@ -71,6 +71,16 @@ def _clinear(name: str, li, t: dict) -> core.CLinear:
     return core.CLinear(li.kind, li.n, li.k, 0, t[f"{name}.weight"])
 
 
+
+def empty64(shape, dtype) -> np.ndarray:
+    """np.empty on a 64-byte boundary, as torch's buffers are (numpy's large ones start 16 bytes past
+    one): the kernels read cache rows whole and prefetch one line per 64 bytes of a row, which
+    assumes rows start on a line (a 64-byte row at offset 16 spans two)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    return raw[off:off + n].view(dtype).reshape(shape)
+
 class LiteModel(Generator):
     def __init__(self, art: Artifact, path, *, max_model_len: int, kv_budget_mib: float, threads: int, lib, hub: dict,
                  slots: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE):
@@ -86,12 +96,11 @@ class LiteModel(Generator):
         # [layers, slots, kv_heads, cap, head_dim]: bf16 bits, or int8 codes with bf16 scales
         # [layers, slots, kv_heads, cap]; pages are touched only as tokens are written
         shape = (spec.layers, slots, spec.kv_heads, cap, spec.head_dim)
-        self.k = np.empty(shape, np.uint16 if kv_dtype == "bf16" else np.int8)
-        self.v = np.empty_like(self.k)
+        dt = np.uint16 if kv_dtype == "bf16" else np.int8
+        self.k, self.v = empty64(shape, dt), empty64(shape, dt)
         self.k_scale = self.v_scale = None
         if kv_dtype == "int8":
-            self.k_scale = np.empty(shape[:-1], np.uint16)
-            self.v_scale = np.empty_like(self.k_scale)
+            self.k_scale, self.v_scale = empty64(shape[:-1], np.uint16), empty64(shape[:-1], np.uint16)
         self.kv_nbytes = sum(a.nbytes for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
         self.cap, self.slots = cap, slots
         self.slot_elems = spec.kv_heads * cap * spec.head_dim  # the element offset between slots

@@ -152,6 +152,9 @@ def test_int8_cache_holds_each_row_within_half_a_step_of_bf16(long_ctx):
         for i in range(n - 10, n):
             m.step(ids[i], i)
     assert b.k.dtype == np.int8 and b.k_scale.dtype == np.uint16
+    # every cache array starts on a cache line, as the torch runtime's do (numpy's large buffers
+    # start 16 bytes past one: a 64-byte row then spans two lines)
+    assert all(x.ctypes.data % 64 == 0 for x in (a.k, a.v, b.k, b.v, b.k_scale, b.v_scale))
     for codes, scales, ref in ((b.k, b.k_scale, a.k), (b.v, b.v_scale, a.v)):
         c = codes[0, 0, :, :n].astype(np.float32)
         s = (scales[0, 0, :, :n].astype(np.uint32) << 16).view(np.float32)

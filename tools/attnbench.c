@@ -38,7 +38,7 @@ int main(int argc, char **argv) {
     sq_layer *Ls = calloc(NL, sizeof(sq_layer));
     srand(1);
     for (int64_t l = 0; l < NL; l++) { /* codes uniform in +-127 (or bf16 values in +-1), scales near 1/127 */
-        uint8_t *k = malloc(n * esz), *vv = malloc(n * esz);
+        uint8_t *k = aligned_alloc(64, (n * esz + 63) / 64 * 64), *vv = aligned_alloc(64, (n * esz + 63) / 64 * 64); /* as the runtimes' caches */
         uint16_t *ks = malloc(KV * m.cap * 2), *vs = malloc(KV * m.cap * 2);
         for (int64_t i = 0; i < n; i++) {
             if (m.kv_int8) k[i] = (uint8_t)(rand() % 255 - 127), vv[i] = (uint8_t)(rand() % 255 - 127);
