@@ -71,7 +71,6 @@ def _clinear(name: str, li, t: dict) -> core.CLinear:
     return core.CLinear(li.kind, li.n, li.k, 0, t[f"{name}.weight"])
 
 
-
 def empty64(shape, dtype) -> np.ndarray:
     """np.empty on a 64-byte boundary, as torch's buffers are (numpy's large ones start 16 bytes past
     one): the kernels read cache rows whole and prefetch one line per 64 bytes of a row, which
@@ -80,6 +79,7 @@ def empty64(shape, dtype) -> np.ndarray:
     raw = np.empty(n + 64, np.uint8)
     off = -raw.ctypes.data % 64
     return raw[off:off + n].view(dtype).reshape(shape)
+
 
 class LiteModel(Generator):
     def __init__(self, art: Artifact, path, *, max_model_len: int, kv_budget_mib: float, threads: int, lib, hub: dict,

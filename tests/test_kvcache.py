@@ -208,8 +208,9 @@ def test_depth_and_rounding_tools_run(long_ctx, tmp_path):
 @pytest.mark.parametrize("cache", ["int8", "bf16"])
 def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
     """tools/attnbench.c (docs/long-context.md's kernel timings) compiles against csrc and runs;
-    its portable build (SQ_SCALAR) and this CPU's widest build give the same attention output
-    (the checksum of every head's result) on an odd-length cache of 2,000+ positions, at head_dim
+    every build this CPU runs (the runtime's flags for each: portable, AVX2, AVX512) gives the
+    portable build's attention output (the checksum of every head's result, index-weighted) on an
+    odd-length cache of 2,000+ positions, at head_dim
     40 (an 8-code K tail) and 64 with 5 query heads per KV head (AVX512: the int8 cache's V on
     64 channels per pass, heads in passes of 4)"""
     import re
@@ -220,9 +221,9 @@ def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
     cc = builds.compiler()
     assert cc, "no C compiler"
     exes = {}
-    for name, flags in {"portable": ["-DSQ_SCALAR"], "native": ["-march=native"]}.items():
+    for name in builds.host_builds():
         exes[name] = tmp_path / name
-        p = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", *flags, "-I", str(root / "runtime/core/csrc"),
+        p = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", *builds.BUILDS[name][0], "-I", str(root / "runtime/core/csrc"),
                             str(root / "tools/attnbench.c"), "-o", str(exes[name]), "-lm"], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
     # 2 layers, 2,051 positions (8 full blocks + 3: an odd last key), (query heads, KV heads, head_dim)
@@ -236,4 +237,6 @@ def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
             assert m and p.stdout.startswith(f"{cache} cache, 2 layers x {kv} KV heads x 2051 positions, head_dim {dim}, "
                                              f"G {heads // kv}"), p.stdout
             out[name] = float(m.group(2))
-        assert out["portable"] != 0 and abs(out["native"] - out["portable"]) <= 1e-3 * abs(out["portable"]), (dim, out)
+        ref = out["scalar"]
+        # measured: builds within 4e-7 of each other; one key of 2,051 dropped from V moves it 7e-4
+        assert ref != 0 and all(abs(x - ref) <= 1e-5 * abs(ref) for x in out.values()), (dim, out)

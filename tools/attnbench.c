@@ -65,7 +65,7 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < m.heads * D; i++) sum += fabs(att[i]) * (double)(1 + i % 13); /* weighted: a misplaced output counts */
     qsort(ts, reps, sizeof(double), cmp);
     printf("%s cache, %ld layers x %ld KV heads x %ld positions, head_dim %ld, G %ld, %s: median %.3f ms per step "
-           "[q1 %.3f, q3 %.3f], %.2f ns per (key, KV head) (checksum %.6g)\n",
+           "[q1 %.3f, q3 %.3f], %.2f ns per (key, KV head) (checksum %.9g)\n",
            m.kv_int8 ? "int8" : "bf16", (long)NL, (long)KV, (long)depth, (long)D, (long)(m.heads / KV),
            tb ? "cold" : "warm", ts[reps / 2] * 1e3, ts[reps / 4] * 1e3, ts[3 * reps / 4] * 1e3,
            ts[reps / 2] * 1e9 / (double)(NL * KV * depth), sum);

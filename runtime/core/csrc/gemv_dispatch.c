@@ -97,8 +97,8 @@ static int claim(sq_slot *s, uint64_t ep, uint64_t lo0, uint64_t hi0, int back, 
 /* rows [r0, r1) of Y[t] = L x_t (+ bias) for M tokens (Y + t * ldy): the batched decode step's
  * products (batch.c). Each token's result is the single-token product's (rows()), bit for bit:
  * int4/lut4 share each row's unpacked codes between four tokens (AVX512: and its chunk's scales,
- * converted once); the other kinds and builds
- * run rows() per token on the row chunk, still in cache from the previous token. */
+ * converted once); the other kinds and builds run rows() per token on the row chunk, still in
+ * cache from the previous token. */
 static void rows_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, int64_t ldy, int64_t r0, int64_t r1) {
     if (M == 1) { /* the decode step's products */
         rows(L, a, Y, r0, r1);
