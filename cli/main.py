@@ -99,6 +99,8 @@ def convert(
     kind: Optional[str] = typer.Option(None, "--kind", help="every body linear's 4-bit codes: int4 (uniform grid) or lut4 "
                                        "(a 16-level grid learned per row; rows32 only); no --bpw budget"),
     head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | lut4 | int8 | bf16 | split (int4 + 4-bit residual: the decode step reads half an int8 head; default: recipe)"),
+    key_scaling: bool = typer.Option(True, "--key-scaling/--no-key-scaling", help="move powers of two from the keys' "
+                                     "large channels onto the queries' (the same q.k; flatter rows for the int8 KV cache)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
@@ -114,7 +116,8 @@ def convert(
     from sparkq.convert.pipeline import convert as do_convert
 
     s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json), head,
-                                                   calib, calib_tokens, kind, "auto" if bpw is None else bpw))
+                                                   calib, calib_tokens, kind, "auto" if bpw is None else bpw,
+                                                   key_scaling))
     if push_to_hub:
         from sparkq.convert.publish import upload as do_upload
         s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision, base_model=base_model)

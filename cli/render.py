@@ -38,6 +38,10 @@ def convert_summary(s: dict) -> str:
         c = s["calibration"]
         rows.append(("calibration", f"{c['tokens']} tokens of {c['file']} from char {c['start_char']:,}; "
                                     f"forward {c['forward_seconds']:.1f} s"))
+    k = s.get("key_scaling")
+    if k:
+        rows.append(("key scaling", f"{k['channels_scaled']} of {k['channels']} key channels scaled by 2^-e "
+                                    f"(|e| <= {k['max_exponent']}), queries by 2^e" if k["applied"] else f"none: {k['why']}"))
     rows += [
         ("time", f"{s['seconds']:.1f} s"),
         ("peak RSS (sampled)", f"{s['peak_rss_mib']:.0f} MiB (at start {s['start_rss_mib']:.0f} MiB); anonymous "
@@ -56,6 +60,7 @@ def inspect_summary(s: dict) -> str:
             ("weights file", mib(s["weights_file_bytes"])),
             ("bits / weight", f"{s['bits_per_weight']:.3f} overall, {s['bits_per_weight_linears']:.3f} quantized linears")]
     rows += [(f"bytes {k}", mib(v)) for k, v in s["bytes_by_role"].items()]
+    rows.append(("key scaling", s["key_scaling"]))
     rows += [(f"encodings {role}", ", ".join(f"{e} x{n}" for e, n in sorted(v.items(), key=lambda kv: -kv[1])))
              for role, v in s["encodings"].items()]
     return table(rows)

@@ -111,6 +111,25 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Te
     return x * (1.0 + w) if offset else x * w
 
 
+class RowBlocks:
+    """A weight [N, K] that is read ``block`` rows at a time (``rows(r0, r1)``, float32), for a
+    product that never holds it whole (the key scaling's forward of the source model)."""
+
+    def __init__(self, rows, n: int, k: int, block: int):
+        self.rows, self.shape, self.block = rows, (n, k), block
+
+
+def _mm(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w.T for a weight tensor or RowBlocks."""
+    if isinstance(w, torch.Tensor):
+        return x @ w.T
+    out = torch.empty(x.shape[0], w.shape[0])
+    for r0 in range(0, w.shape[0], w.block):
+        r1 = min(w.shape[0], r0 + w.block)
+        out[:, r0:r1] = x @ w.rows(r0, r1).T
+    return out
+
+
 class Calibration:
     """Activations of the partly quantized model, advanced one linear at a time.
 
@@ -127,6 +146,7 @@ class Calibration:
         if spec.embed_scale:
             self.x *= torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16).float()
         self.inp: torch.Tensor | None = None  # input of the next linear
+        self.inp_of: str | None = None  # the linear self.inp was computed for by inputs()
         self.writes: dict[str, torch.Tensor] = {"embed": self.x.pow(2).sum(-1)}  # |y_t|^2 each writes to the residual
         pos = torch.arange(self.seq_len, dtype=torch.float32)
         self.rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -149,6 +169,10 @@ class Calibration:
     def inputs(self, name: str) -> torch.Tensor:
         """X (float32 [tokens, K]): the inputs the linear ``name`` sees."""
         layer, _, role = name.rpartition(".")
+        if self.inp_of == name:  # asked again before the forward moved (key scaling, then the Hessian)
+            return self.inp
+        if role in (C.ROLE_QKV, C.ROLE_GATE_UP) or name == C.ROLE_LM_HEAD:
+            self.inp = None  # before the next one is computed: one copy at a time
         if role == C.ROLE_QKV:
             self.inp = self._norm(self.x, f"{layer}.attn_norm.weight")
         elif role == C.ROLE_GATE_UP:
@@ -156,6 +180,7 @@ class Calibration:
         elif name == C.ROLE_LM_HEAD:
             self.inp = self._norm(self.x, "norm.weight")
         assert self.inp is not None, f"inputs({name}) out of order"
+        self.inp_of = name
         return self.inp
 
     def hessian(self, name: str) -> torch.Tensor:
@@ -174,9 +199,11 @@ class Calibration:
         fin = self.x.pow(2).sum(-1).clamp_min(1e-30)
         return {n: float((v / fin).mean(dtype=torch.float64)) for n, v in self.writes.items()}
 
-    def advance(self, name: str, w: torch.Tensor) -> None:
-        """Move the activations through the quantized linear ``name`` (w: float32 [N, K])."""
+    def advance(self, name: str, w) -> None:
+        """Move the activations through the quantized linear ``name`` (w: float32 [N, K], or
+        ``RowBlocks`` read a block at a time)."""
         s = self.spec
+        self.inp_of = None
         layer, _, role = name.rpartition(".")
         if role not in C.LAYER_LINEARS:  # the head ends the forward: no logits needed
             self.inp = None
@@ -184,18 +211,27 @@ class Calibration:
         if role == C.ROLE_GATE_UP:  # per window: the [tokens, 2*intermediate] product is the largest transient
             # the down projection's inputs, the largest activations, kept in bf16 (their Hessian and
             # product read them in float32 blocks): -150 MB peak at 1.5B, far finer than the W4A8 runtime
-            out = torch.empty(self.inp.shape[0], w.shape[0] // 2, dtype=torch.bfloat16)
+            act = F.silu if s.act == "silu" else lambda g: F.gelu(g, approximate="tanh")
+            half = w.shape[0] // 2
+            out = torch.empty(self.inp.shape[0], half, dtype=torch.bfloat16)
+            if isinstance(w, RowBlocks):  # gate and up rows a block at a time: no [tokens, 2I] product
+                for j0 in range(0, half, w.block):
+                    j1 = min(half, j0 + w.block)
+                    out[:, j0:j1] = act(self.inp @ w.rows(j0, j1).T) * (self.inp @ w.rows(half + j0, half + j1).T)
+                self.inp = out
+                return
             for t0 in range(0, out.shape[0], self.seq_len):
                 g, u = (self.inp[t0:t0 + self.seq_len] @ w.T).chunk(2, dim=-1)
-                out[t0:t0 + self.seq_len] = (F.silu(g) if s.act == "silu" else F.gelu(g, approximate="tanh")) * u
+                out[t0:t0 + self.seq_len] = act(g) * u
             self.inp = out
             return
         if self.inp.dtype == torch.float32:
-            y = self.inp @ w.T
+            y = _mm(self.inp, w)
         else:
             y = torch.empty(self.inp.shape[0], w.shape[0])
-            for t0 in range(0, y.shape[0], self.seq_len):
-                y[t0:t0 + self.seq_len] = self.inp[t0:t0 + self.seq_len].float() @ w.T
+            step = 128 if isinstance(w, RowBlocks) else self.seq_len  # (blocks re-read: the float copy stays small)
+            for t0 in range(0, y.shape[0], step):
+                y[t0:t0 + step] = _mm(self.inp[t0:t0 + step].float(), w)
         if role == C.ROLE_QKV:
             if s.qkv_bias:
                 y += self._vec(f"{layer}.qkv.bias")
@@ -223,12 +259,15 @@ class Calibration:
         mask = pos[None, :] <= pos[:, None]
         if window is not None:
             mask &= pos[None, :] > pos[:, None] - window
-        out = torch.empty(n, t, s.q_dim)
-        for j in range(n):  # one window at a time bounds the attention transients
-            o = F.scaled_dot_product_attention(q[j].transpose(0, 1), k[j].transpose(0, 1), v[j].transpose(0, 1),
-                                               attn_mask=mask, scale=s.attn_scale or 1.0 / math.sqrt(s.head_dim),
-                                               enable_gqa=s.heads != s.kv_heads)
-            out[j] = o.transpose(0, 1).reshape(t, s.q_dim)
+        out = torch.empty(n, t, s.heads, s.head_dim)
+        grp = s.heads // s.kv_heads
+        for j in range(n):  # one window and one KV head's query group at a time bounds the score transients
+            for h in range(s.kv_heads):
+                qh = q[j, :, h * grp:(h + 1) * grp].transpose(0, 1)
+                kh, vh = k[j, :, h:h + 1].transpose(0, 1), v[j, :, h:h + 1].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qh, kh.expand(grp, -1, -1), vh.expand(grp, -1, -1), attn_mask=mask,
+                                                   scale=s.attn_scale or 1.0 / math.sqrt(s.head_dim))
+                out[j, :, h * grp:(h + 1) * grp] = o.transpose(0, 1)
         return out.view(n * t, s.q_dim)
 
     @staticmethod

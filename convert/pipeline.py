@@ -30,8 +30,10 @@ from .output import atomic_dir
 from .gptq import gptq_factor, gptq_int4, gptq_rows
 from .lut import fit_lut
 from .quantize import CALIBRATED, METHODS, quantize_int8_rows, quantize_residual, quantize_rows
-from .source import Source, open_source
+from .keyscale import ScaledSource
+from .source import Source, open_source, read_fused_rows as _read_fused_rows
 
+KEY_PREPASS_TOKENS = 256  # uncalibrated conversions: the key ranges' window (its activations are the pass's memory)
 ROW_CHUNK_ELEMS = 256 << 10  # float32 elements per row block (1 MiB): keeps peak RSS low
 HEAD_MODES = ("int4", "int8", "bf16", "split", "lut4")  # --head (split: int4 + a 4-bit residual plane)
 BODY_KINDS = ("int4", "lut4")  # --kind
@@ -67,6 +69,9 @@ class Options:
     # bits per weight of the whole file, spent per linear (convert/budget.py); "auto": default_bpw()
     # unless --kind / --head / --group-size ask for one encoding everywhere (then None: uniform)
     bpw: float | str | None = None
+    # powers of two moved from the keys' large channels onto the queries' (convert/keyscale.py):
+    # the same q.k, flatter rows for the int8 KV cache
+    key_scaling: bool = True
 
 
 def _target_layout(target: str) -> str:
@@ -168,17 +173,6 @@ def _ordered_entries(linears: list[LinearEntry], vectors: dict, spec: ModelSpec)
         else:
             entries.append((item, C.DTYPE_BF16, vectors[item]))
     return entries, order
-
-
-def _read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of the virtual concatenation of the parts along N."""
-    out, base = [], 0
-    for p, rows in zip(parts, part_rows):
-        a, b = max(r0, base), min(r1, base + rows)
-        if a < b:
-            out.append(source.read_rows(p, a - base, b - base))
-        base += rows
-    return out[0] if len(out) == 1 else torch.cat(out, 0)
 
 
 def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: LinearEntry, layout: str,
@@ -356,6 +350,50 @@ def _carry_files(source: Source, tmp: Path) -> list[str]:
     return sorted(carried)
 
 
+def _key_scaling(source: Source, spec: ModelSpec, srcs: dict, opts: Options):
+    """(KeyScaling or None, a record of why not)."""
+    from .calib import has_tokenizer
+    from .keyscale import KeyScaling
+
+    if not opts.key_scaling:
+        return None, {"applied": False, "why": "--no-key-scaling"}
+    why = KeyScaling.unsupported(spec)
+    if why is None and opts.method not in CALIBRATED and not has_tokenizer(source):
+        why = "the source has no tokenizer.json to read calibration text with"
+    if why:
+        return None, {"applied": False, "why": why}
+    # the calibration's 8,192 tokens: exponents rounded to nearest; the uncalibrated pass's 256
+    # see smaller maxima: rounded up (docs/long-context.md, both measured on Qwen2.5-Coder-1.5B)
+    return KeyScaling(spec, srcs, round_up=opts.method not in CALIBRATED), {"applied": True}
+
+
+def _key_prepass(base: Source, scaled, spec: ModelSpec, srcs: dict, scaling, opts: Options, trim_heap) -> None:
+    """The key ranges of an uncalibrated conversion: one window of the calibration text through the
+    (unquantized, scaled as it goes) source model, layer by layer, its weights read in row blocks."""
+    from .calib import Calibration, RowBlocks, calibration_ids
+
+    ids, _ = calibration_ids(base, opts.calib, KEY_PREPASS_TOKENS, seq_len=KEY_PREPASS_TOKENS)
+    cal = Calibration(scaled, spec, srcs, ids[:1])
+    shapes = spec.linear_shapes()
+    for i in tqdm(range(spec.layers), desc="key ranges", disable=not opts.progress, leave=False):
+        scaling.measure(base, cal, i)
+        for role in C.LAYER_LINEARS:
+            name = f"layers.{i}.{role}"
+            if role in (C.ROLE_QKV, C.ROLE_GATE_UP):
+                cal.inputs(name)
+            n, k = shapes[name]
+            rows = lambda r0, r1, name=name: _read_fused_rows(scaled, srcs[name], spec.part_rows(name), r0, r1).float()  # noqa: E731
+            cal.advance(name, RowBlocks(rows, n, k, max(64, (ROW_CHUNK_ELEMS // k) // 64 * 64)))
+            trim_heap()
+
+
+def _key_record(info: dict, scaling) -> dict:
+    """The manifest's record: whether the keys were scaled, and each layer's exponents."""
+    if scaling is None:
+        return {"applied": False, "why": info["why"]}
+    return {"applied": True, "exponents": {str(i): e.tolist() for i, e in sorted(scaling.layers.items())}}
+
+
 def resolve_method(opts: Options, source) -> Options:
     """auto: gptq (calibrated on --calib or the bundled text) when the source's tokenizer can
     read calibration text, else the calibration-free clip search."""
@@ -389,7 +427,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
     t0 = time.perf_counter()
     trim_heap = _heap_trimmer()
     with RssSampler() as mem:
-        source = open_source(src)
+        source = base = open_source(src)
         try:
             opts = resolve_budget(resolve_method(opts, source))
             layout = _target_layout(opts.target)
@@ -416,6 +454,9 @@ def convert(src: str, out: str, opts: Options) -> dict:
             src_bytes = sum(source.nbytes(p) for names in srcs.values() for p in names)
             errors: dict[str, float] = {}
             cal, cal_s = None, 0.0
+            scaling, key_info = _key_scaling(base, spec, srcs, opts)
+            if scaling is not None:
+                source = ScaledSource(base, scaling)  # every read from here on: q/k rows, biases, norms scaled
             if opts.method in CALIBRATED:
                 from .calib import Calibration
 
@@ -425,12 +466,24 @@ def convert(src: str, out: str, opts: Options) -> dict:
                 tc = time.perf_counter()
                 cal = Calibration(source, spec, srcs, ids)
                 cal_s += time.perf_counter() - tc
+            elif scaling is not None:  # no calibration forward: a short one of the source model measures the keys
+                tk = time.perf_counter()
+                _key_prepass(base, source, spec, srcs, scaling, opts, trim_heap)
+                key_info["seconds"] = time.perf_counter() - tk
+            layer_seen = -1
             with atomic_dir(out, opts.force) as tmp:
                 w = TensorFileWriter(str(tmp / C.WEIGHTS_FILE), entries, meta)
                 with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not opts.progress,
                           leave=False) as bar:
                     for item in order:
                         bar.set_postfix_str(item, refresh=False)
+                        if cal is not None and scaling is not None and item.startswith("layers."):
+                            i = int(item.split(".")[1])
+                            if i != layer_seen:  # before the layer's first tensor (its norms and biases come first)
+                                tc = time.perf_counter()
+                                scaling.measure(base, cal, i)
+                                cal_s += time.perf_counter() - tc
+                                layer_seen = i
                         if item in by_name:
                             calibrated = cal is not None and item != C.ROLE_EMBED
                             tc = time.perf_counter()
@@ -467,7 +520,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
                                     features={k: recipe.feature(k) for k in FEATURES},
                                     recipe=Path(opts.recipe).name if opts.recipe else recipe.family,
                                     group_size_requested=opts.group_size or recipe.group_size, calibration=cal_info or None,
-                                    source=source.origin, converter={"name": "sparkq", "version": sparkq_version()})
+                                    source=source.origin, converter={"name": "sparkq", "version": sparkq_version()},
+                                    key_scaling=_key_record(key_info, scaling))
                 config = dict(source.config)
                 config["quantization_config"] = manifest.quantization_config()
                 (tmp / C.MANIFEST_FILE).write_text(manifest.dumps())
@@ -475,7 +529,9 @@ def convert(src: str, out: str, opts: Options) -> dict:
                 carried = _carry_files(source, tmp)
                 art_bytes = (tmp / C.WEIGHTS_FILE).stat().st_size
         finally:
-            source.close()
+            base.close()
+    if scaling is not None:
+        key_info.update(scaling.summary())
     elapsed = time.perf_counter() - t0
     groups: dict[str, list[str]] = {}
     for l in linears:
@@ -496,6 +552,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
         "method": opts.method,
         "calibration": cal_info and {**cal_info, "forward_seconds": cal_s},
         "budget": budget_info,
+        "key_scaling": key_info,
         "tensors": len(entries),
         "source_bytes": src_bytes,
         "artifact_bytes": art_bytes,

@@ -114,6 +114,17 @@ HUB_PATTERNS = ["config.json", "model.safetensors", "model-*.safetensors", "mode
                 "README.md", *C.TOKENIZER_FILES]
 
 
+def read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of the virtual concatenation of the parts along N."""
+    out, base = [], 0
+    for p, rows in zip(parts, part_rows):
+        a, b = max(r0, base), min(r1, base + rows)
+        if a < b:
+            out.append(source.read_rows(p, a - base, b - base))
+        base += rows
+    return out[0] if len(out) == 1 else torch.cat(out, 0)
+
+
 def card_license(directory: Path) -> dict:
     """license / license_name / license_link from a model card's YAML header, if any."""
     readme = directory / "README.md"

@@ -271,6 +271,19 @@ class Artifact:
             "parameters": params,
             "bits_per_weight": 8 * total / params,
             "bits_per_weight_linears": 8 * q_bytes / q_params,
+            "key_scaling": _key_scaling_summary(self.manifest.key_scaling),
             "linears": {n: {"kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size, "rel_error": l.rel_error,
                             **({"residual": True} if l.residual else {})} for n, l in self.linears.items()},
         }
+
+
+def _key_scaling_summary(k: dict | None) -> str:
+    if k is None:
+        return "not recorded (converted before key scaling)"
+    if not k.get("applied"):
+        return f"none: {k.get('why', '?')}"
+    ex = [abs(e) for layer in k.get("exponents", {}).values() for e in (layer if isinstance(layer[0], int) else
+                                                                          [v for row in layer for v in row])]
+    return (f"{sum(1 for e in ex if e)} of {len(ex)} key channels scaled by 2^-e (|e| <= {max(ex, default=0)}), "
+            f"queries by 2^e, {len(k.get('exponents', {}))} layers")
+

@@ -102,6 +102,9 @@ class Manifest:
     format: str = C.FORMAT_NAME
     format_version: int = C.FORMAT_VERSION
     bits: int = C.BITS
+    # the keys' power-of-two channel scaling (convert/keyscale.py): {"applied": bool, "exponents" |
+    # "why"}; None: written before it existed (nothing to undo at load: q.k is the same either way)
+    key_scaling: dict | None = None
 
     @property
     def group_sizes(self) -> list[int]:
@@ -123,7 +126,7 @@ class Manifest:
              "family": self.family, "method": self.method, "bits": self.bits, **self._group_fields(), "tied": self.tied,
              "converter": self.converter, "source": self.source,
              "linears": {n: lin.to_json() for n, lin in self.linears.items()}, "tensors": self.tensors}
-        for key in ("calibration", "features", "recipe"):
+        for key in ("calibration", "features", "recipe", "key_scaling"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
@@ -156,7 +159,7 @@ class Manifest:
             bad("format_version", "an integer")
         if type(m.get("tied")) is not bool:
             bad("tied", "true or false")
-        for key in ("source", "calibration", "converter"):
+        for key in ("source", "calibration", "converter", "key_scaling"):
             if m.get(key) is not None and not isinstance(m[key], dict):
                 bad(key, "an object")
         feats = m.get("features")
@@ -173,7 +176,7 @@ class Manifest:
                 bad(f"tensors.{name}", "{sha256: string}")
         out = cls(m["layout"], m["family"], m["method"], m["tied"], linears, m["tensors"], feats, m.get("recipe"), req,
                   m.get("calibration"), m.get("source"), m.get("converter"), m["format"], m["format_version"],
-                  m.get("bits", C.BITS))
+                  m.get("bits", C.BITS), m.get("key_scaling"))
         if "group_sizes" in m and m["group_sizes"] != out.group_sizes:  # written by this format's writer
             raise ManifestError(f"field 'group_sizes' {m['group_sizes']} contradicts the linears' {out.group_sizes}")
         return out

@@ -38,6 +38,10 @@ def test_artifact_contents_and_format(tiny_tied, tiny_tied_art):
     with safe_open(str(tiny_tied / "model.safetensors"), "pt") as f:
         q, k, v = (f.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight").float() for p in "qkv")
     ref = torch.cat([q, k, v])
+    ks = art.manifest.key_scaling  # the converter moved powers of two from k's rows onto q's (exact)
+    assert ks["applied"]
+    from sparkq.convert.keyscale import qkv_row_multipliers
+    ref *= qkv_row_multipliers(art.spec, ks["exponents"]["0"])[:, None]
     lin = art.linears["layers.0.qkv"]
     t = art.map()
     w = dequantize_codes(unpack(t["layers.0.qkv.qweight"], art.layout, lin.n, lin.k), t["layers.0.qkv.scales_zeros"],
@@ -182,7 +186,7 @@ print(json.dumps(s))
     growth = (s["peak_rss_anon_mib"] - s["start_rss_anon_mib"]) * 2**20  # data, not library code pages
     print("rss growth MiB", growth / 2**20, "total MiB", total / 2**20, "largest MiB", largest / 2**20)
     assert growth < total / 5, (growth, total)
-    assert growth < 2 * largest + 8 * 2**20, (growth, largest)  # measured 6-12 MiB
+    assert growth < 2 * largest + 8 * 2**20, (growth, largest)  # measured 26-33 MiB (key scaling on or off)
 
 
 def test_transformers_refuses_artifact(tiny_tied_art):

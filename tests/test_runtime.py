@@ -178,9 +178,17 @@ def test_example_paris_chat_and_determinism(example_art):
     assert again["token_ids"] == r["token_ids"]
     c = m.generate("What is the capital of France?", chat=True, max_new_tokens=24)
     assert "Paris" in c["text"], c["text"]
+    # the prompt through the kernel instead of the auto path (on AVX512-BF16 CPUs the bf16 GEMM):
+    # the same greedy tokens, or a first difference only where the two best were nearly tied
+    # (measured: "Once upon a time", second token, 0.004 apart on one conversion of this fixture)
     off = load(str(example_art), prefill_dequant=False)
     for prompt in ("The capital of France is", "Once upon a time"):
-        assert off.generate(prompt, max_new_tokens=16)["token_ids"] == m.generate(prompt, max_new_tokens=16)["token_ids"]
+        a, b = off.generate(prompt, max_new_tokens=16)["token_ids"], m.generate(prompt, max_new_tokens=16)["token_ids"]
+        d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if d is not None:
+            logits = m.model.forward(torch.tensor(m.prompt_ids(prompt) + b[:d]), 0, last_only=True)[-1].float()
+            top = logits.topk(2).values
+            assert float(top[0] - top[1]) < 0.05, (prompt, d, top)
 
 
 # the portable build takes ~50 s for this test's prompts (the SIMD builds ~5 s): make test-all
