@@ -203,6 +203,13 @@ def test_depth_and_rounding_tools_run(long_ctx, tmp_path):
     rows = json.loads(p.stdout)
     assert {(r["rows"], r["group"]) for r in rows} == {("K", 32), ("V", 32)}  # head_dim 32: one group size
     assert all(0 < r["median_rel_err"] < 0.02 and r["bytes_per_row"] == 34 for r in rows)
+    p = subprocess.run([sys.executable, str(root / "tools" / "kvquant.py"), str(art), "--corpus", str(tmp_path / "t.txt"),
+                        "--tokens", "200", "--channels", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    ch = json.loads(p.stdout)
+    for name in ("K", "V"):  # per layer (2 here): largest channel's range over the median's >= 1, row maxima > 0
+        assert len(ch[name]["largest_over_median"]) == 2 and all(r >= 1 for r in ch[name]["largest_over_median"])
+        assert all(m > 0 for m in ch[name]["row_max_mean"])
 
 
 @pytest.mark.parametrize("cache", ["int8", "bf16"])
