@@ -41,7 +41,7 @@ def convert_summary(s: dict) -> str:
     k = s.get("key_scaling")
     if k:
         rows.append(("key scaling", f"{k['channels_scaled']} of {k['channels']} key channels scaled by 2^-e "
-                                    f"(|e| <= {k['max_exponent']}), queries by 2^e" if k["applied"] else f"none: {k['why']}"))
+                                    f"(e <= {k['max_exponent']}), queries by 2^e" if k["applied"] else f"none: {k['why']}"))
     rows += [
         ("time", f"{s['seconds']:.1f} s"),
         ("peak RSS (sampled)", f"{s['peak_rss_mib']:.0f} MiB (at start {s['start_rss_mib']:.0f} MiB); anonymous "

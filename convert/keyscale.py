@@ -21,7 +21,7 @@ from sparkq.formats import constants as C
 
 from .source import read_fused_rows
 
-LIMIT = 8  # |e| <= 8: weights and biases stay far inside bf16's range
+LIMIT = 8  # e <= 8: weights and biases stay far inside bf16's range
 
 
 def exponents(k: torch.Tensor, rot: int, shared: bool, round_up: bool = False) -> torch.Tensor:
@@ -87,10 +87,8 @@ class KeyScaling:
         k = torch.empty(x.shape[0], s.kv_dim)
         for t0 in range(0, x.shape[0], 1024):
             k[t0:t0 + 1024] = x[t0:t0 + 1024].float() @ w.T
-        if s.qkv_bias:
-            bname = f"{name}.bias"
-            b = torch.cat([source.read_rows(p, 0, source.shapes[p][0]) for p in self.srcs[bname]]).float()
-            k += b[s.q_dim:s.q_dim + s.kv_dim]
+        if s.qkv_bias:  # the bias's parts have the weight's row counts
+            k += read_fused_rows(source, self.srcs[f"{name}.bias"], rows, s.q_dim, s.q_dim + s.kv_dim).float()
         k = k.view(-1, s.kv_heads, s.head_dim)
         if s.qk_norm:
             kn = f"layers.{i}.k_norm.weight"
@@ -99,21 +97,20 @@ class KeyScaling:
         _, rot, _ = s.layer_attention(i)
         e = exponents(k, rot, shared=s.qk_norm, round_up=self.round_up)
         self.layers[i] = e
-        up, down = torch.exp2(e.float()), torch.exp2(-e.float())
         if s.qk_norm:  # one weight per channel, every head: scale the norms, not the rows
-            self._set(f"layers.{i}.q_norm.weight", [s.head_dim], up)
-            self._set(f"layers.{i}.k_norm.weight", [s.head_dim], down)
+            self._set(f"layers.{i}.q_norm.weight", [s.head_dim], torch.exp2(e.float()))
+            self._set(f"layers.{i}.k_norm.weight", [s.head_dim], torch.exp2(-e.float()))
             return
         m = qkv_row_multipliers(s, e)
         self._set(name, rows, m)
         if s.qkv_bias:
-            self._set(f"{name}.bias", [source.shapes[p][0] for p in self.srcs[f"{name}.bias"]], m)
+            self._set(f"{name}.bias", rows, m)
 
     def summary(self) -> dict:
         moved = sum(int((e != 0).sum()) for e in self.layers.values())
         total = sum(e.numel() for e in self.layers.values())
         return {"layers": len(self.layers), "channels_scaled": moved, "channels": total,
-                "max_exponent": max((int(e.abs().max()) for e in self.layers.values()), default=0)}
+                "max_exponent": max((int(e.max()) for e in self.layers.values()), default=0)}
 
 
 class ScaledSource:

@@ -284,6 +284,6 @@ def _key_scaling_summary(k: dict | None) -> str:
         return f"none: {k.get('why', '?')}"
     ex = [abs(e) for layer in k.get("exponents", {}).values() for e in (layer if isinstance(layer[0], int) else
                                                                           [v for row in layer for v in row])]
-    return (f"{sum(1 for e in ex if e)} of {len(ex)} key channels scaled by 2^-e (|e| <= {max(ex, default=0)}), "
+    return (f"{sum(1 for e in ex if e)} of {len(ex)} key channels scaled by 2^-e (e <= {max(ex, default=0)}), "
             f"queries by 2^e, {len(k.get('exponents', {}))} layers")
 
