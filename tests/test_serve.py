@@ -125,19 +125,28 @@ def test_batch_invariance_a_request_decodes_the_same_alone_or_beside_others(serv
         reqs = [(tok.encode(p), {}) for p in PROMPTS] + [(tok.encode("sampled"), {"temperature": 0.9, "seed": 7})]
         alone = [e.generate(ids, 24, ignore_eos=True, **kw) for ids, kw in reqs]
         assert e.stats["max_batch"] == 1
-        out = [None] * len(reqs)
+        from sparkq.runtime.serving import Request
+        done = [threading.Event() for _ in reqs]
+        finish = [None] * len(reqs)
 
-        def run(i):
-            out[i] = e.generate(reqs[i][0], 24, ignore_eos=True, **reqs[i][1])
+        def emit(ev, i):
+            if "finish" in ev:
+                finish[i] = ev["finish"]
+                done[i].set()
 
-        th = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-        for t in th:
-            t.start()
-        for t in th:
-            t.join()
+        subs = []
+        # every request queued before the engine's next look (its lock is re-entrant: submit takes it
+        # too): threads submitting one by one let a 24-token request finish before the last arrived
+        with e.cv:
+            for i, (ids, kw) in enumerate(reqs):
+                subs.append(e.submit(Request(list(ids), 24, lambda ev, i=i: emit(ev, i),
+                                             ignore_eos=True, **kw)))
+        for d in done:
+            assert d.wait(120)
+        out = [{"ids": list(r.new), "finish": f} for r, f in zip(subs, finish)]
         assert e.stats["max_batch"] == 4  # 6 requests over 4 slots: they did run together
         for a, b in zip(alone, out):
-            assert a["ids"] == b["ids"] and len(a["ids"]) == 24 and a["finish"] == "length"
+            assert a["ids"] == b["ids"] and len(a["ids"]) == 24 and a["finish"] == b["finish"] == "length"
     finally:
         e.close()
 
