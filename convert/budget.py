@@ -18,7 +18,8 @@ lower convex hull of (bytes, damage) and the upgrade with the largest damage sav
 taken while the file stays within budget.
 
 The estimates come from one forward of the unquantized model over the first ``PROBE_TOKENS``
-calibration tokens (convert/calib.py), before the conversion proper, one layer alive at a time.
+calibration tokens (convert/calib.py), before the conversion proper, one layer alive at a time
+(its products in bf16 on CPUs with native bf16: the source's weights are bf16 already).
 """
 from __future__ import annotations
 
@@ -241,6 +242,15 @@ def _options(lin, w: torch.Tensor, x: torch.Tensor | None):
     return out
 
 
+def _forward_weight(w: torch.Tensor) -> torch.Tensor:
+    """The weight the probe's forward moves through: the source's own bf16 values, multiplied in
+    bf16 (fp32 sums) on CPUs with native bf16, where that GEMM is 1.6-3.5x float32's at these
+    shapes (docs/quality.md "Conversion cost"); else float32."""
+    from sparkq.runtime.weights import prefill_dtype
+
+    return w.to(torch.bfloat16) if prefill_dtype() == torch.bfloat16 else w.float()
+
+
 def probe(source, spec, srcs, linears, ids, read_rows, bar=None) -> tuple[dict[str, list], dict[str, float]]:
     """Each linear's candidates [(bytes, damage, choice)] and the residual gains, from a forward of the unquantized model
     over ids (None: no calibration; damage from the weights alone). ``read_rows(lin, r0, r1)``
@@ -258,7 +268,7 @@ def probe(source, spec, srcs, linears, ids, read_rows, bar=None) -> tuple[dict[s
         x = cal.inputs(lin.name) if cal is not None and lin.name != C.ROLE_EMBED else None
         options[lin.name] = _options(lin, w, x)
         if cal is not None and role_of(lin.name) in C.LAYER_LINEARS:
-            cal.advance(lin.name, read_rows(lin, 0, lin.n).float())
+            cal.advance(lin.name, _forward_weight(read_rows(lin, 0, lin.n)))
         if bar is not None:
             bar.update(1)
     gains = cal.gains() if cal is not None else {}

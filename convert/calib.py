@@ -10,7 +10,9 @@ weight live in memory at a time; the model is never materialised.
 The math mirrors the runtime's decoder (RMSNorm with optional offset, SwiGLU/GeGLU,
 rotate-half RoPE per layer type, causal attention with sliding windows, qk norm, qkv
 bias, sandwich norms, embedding scale) in fp32; the two never import each other, so the
-shared definitions (RoPE frequencies, shapes) live in ``sparkq.formats.spec``.
+shared definitions (RoPE frequencies, shapes) live in ``sparkq.formats.spec``. The quantized
+linears' products are the C core's prompt products on the packed weight (``CoreLinear``: what
+the runtime computes) where the core is loaded, else float32 GEMMs on the dequantized weight.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import hashlib
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from sparkq.formats import constants as C
@@ -84,11 +87,23 @@ def calibration_ids(source, text_path: str | None, tokens: int, seq_len: int = S
 GRAM_BLOCK = 1024
 
 
-def gram(x: torch.Tensor) -> torch.Tensor:
+def gram(x: torch.Tensor, use_c: bool = True) -> torch.Tensor:
     """X^T X (float32 [K, K]) for X [T, K] (float32, or bf16 read in float32 blocks): for large
     K, only the blocks on and above the diagonal are multiplied (the rest is their transpose),
-    about half the work of ``x.T @ x``."""
+    about half the work of ``x.T @ x``. bf16 X goes to the C core's vdpbf16ps gram on AVX512-BF16
+    builds (``sq_gram_bf16``: the same exact products, summed in another order); this is its
+    reference."""
     k, b = x.shape[1], GRAM_BLOCK
+    if x.dtype == torch.bfloat16 and use_c:
+        from .gptq import _lib
+
+        lib, h = _lib(), torch.empty(k, k)
+        x = x.contiguous()
+        rc = -2 if lib is None else lib.sq_gram_bf16(x.data_ptr(), x.shape[0], k, h.data_ptr())
+        if rc == -1:
+            raise MemoryError("the C core could not allocate the Hessian's pair buffer")
+        if rc == 0:
+            return h
     if x.dtype != torch.float32:
         h = torch.empty(k, k)
         for i in range(0, k, b):
@@ -119,10 +134,46 @@ class RowBlocks:
         self.rows, self.shape, self.block = rows, (n, k), block
 
 
+class CoreLinear:
+    """A quantized linear as the artifact stores it (rows32 int4 / lut4 codes with their scales and
+    zeros and levels, or int8 rows with their scales), multiplied by the C core's prompt products
+    (``sq_linear_batch``): the calibration moves forward through what the runtime computes, several
+    times faster than a float32 GEMM over the dequantized weight (docs/quality.md "Conversion
+    cost"), and the packed weight is an eighth of that float copy."""
+
+    def __init__(self, lib, kind: str, n: int, k: int, q: np.ndarray, sz: torch.Tensor, g: int = 0,
+                 lut: torch.Tensor | None = None):
+        from sparkq.runtime.core.abi import SqLinear
+        from sparkq.runtime.core.lib import kind_code
+
+        q, sz = np.ascontiguousarray(q), sz.contiguous()
+        lut = None if lut is None else lut.contiguous()
+        self.lib, self.shape = lib, (n, k)
+        self.keep = (q, sz, lut)  # the buffers the descriptor points into
+        self.desc = SqLinear(q=q.ctypes.data, sz=sz.data_ptr(), kind=kind_code(lib, kind), n=n, k=k, g=g,
+                             lut=None if lut is None else lut.data_ptr())
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (float32 or bf16 [M, K]) @ W^T -> float32 [M, N]."""
+        import ctypes
+
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.shape[0])
+        if self.lib.sq_linear_batch(ctypes.byref(self.desc), x.data_ptr(), int(x.dtype == torch.bfloat16),
+                                    x.shape[0], y.data_ptr(), None):
+            raise MemoryError("the C core could not allocate the calibration product's buffers")
+        return y
+
+
 def _mm(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w.T for a weight tensor or RowBlocks."""
+    """x @ w.T (float32) for a weight tensor (float32, or bf16: a bf16 product), RowBlocks or CoreLinear."""
     if isinstance(w, torch.Tensor):
-        return x @ w.T
+        return (x.to(torch.bfloat16) @ w.T).float() if w.dtype == torch.bfloat16 else x @ w.T
+    if isinstance(w, CoreLinear):
+        out = torch.empty(x.shape[0], w.shape[0])
+        for t0 in range(0, x.shape[0], SEQ_LEN):  # windows: the activation codes and the result stay small
+            out[t0:t0 + SEQ_LEN] = w.mm(x[t0:t0 + SEQ_LEN])
+        return out
     out = torch.empty(x.shape[0], w.shape[0])
     for r0 in range(0, w.shape[0], w.block):
         r1 = min(w.shape[0], r0 + w.block)
@@ -200,8 +251,8 @@ class Calibration:
         return {n: float((v / fin).mean(dtype=torch.float64)) for n, v in self.writes.items()}
 
     def advance(self, name: str, w) -> None:
-        """Move the activations through the quantized linear ``name`` (w: float32 [N, K], or
-        ``RowBlocks`` read a block at a time)."""
+        """Move the activations through the quantized linear ``name`` (w: float32 [N, K],
+        ``RowBlocks`` read a block at a time, or the packed ``CoreLinear``)."""
         s = self.spec
         self.inp_of = None
         layer, _, role = name.rpartition(".")
@@ -221,11 +272,11 @@ class Calibration:
                 self.inp = out
                 return
             for t0 in range(0, out.shape[0], self.seq_len):
-                g, u = (self.inp[t0:t0 + self.seq_len] @ w.T).chunk(2, dim=-1)
+                g, u = _mm(self.inp[t0:t0 + self.seq_len], w).chunk(2, dim=-1)
                 out[t0:t0 + self.seq_len] = act(g) * u
             self.inp = out
             return
-        if self.inp.dtype == torch.float32:
+        if self.inp.dtype == torch.float32 or isinstance(w, CoreLinear):  # (the C core reads bf16 rows itself)
             y = _mm(self.inp, w)
         else:
             y = torch.empty(self.inp.shape[0], w.shape[0])

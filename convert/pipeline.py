@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from .errors import ConvertError
 from .output import atomic_dir
-from .gptq import gptq_factor, gptq_int4, gptq_rows
+from .calib import CoreLinear
+from .gptq import _lib, gptq_factor, gptq_int4, gptq_rows
 from .lut import fit_lut
 from .quantize import CALIBRATED, METHODS, quantize_int8_rows, quantize_residual, quantize_rows
 from .keyscale import ScaledSource
@@ -179,7 +180,8 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
                   method: str, bar, hessian: torch.Tensor | None = None,
                   keep_deq: bool = True) -> tuple[float, torch.Tensor | None]:
     """Quantize, pack and write one linear. With a calibration ``hessian`` (gptq) it also
-    returns the dequantized weight (float32 [N, K]) so the calibration can move on through it
+    returns the weight the calibration moves on through: the packed ``CoreLinear`` (rows32 with
+    the C core loaded), else the dequantized float32 [N, K]
     (``keep_deq=False`` for the head, which ends the forward: at a 152k vocabulary that buffer
     alone is 1.2 GB)."""
     part_rows = spec.part_rows(lin.name)
@@ -187,6 +189,10 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     chunk = max(lay.block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
     err = ref = 0.0
     want_deq = hessian is not None and keep_deq
+    # the calibration moves on through the packed weight in the C core where it can (rows32, the
+    # core loaded), else through the dequantized float32 weight
+    core = _lib() if want_deq and layout == ROWS32 and lin.kind != C.KIND_BF16 else None
+    want_deq = want_deq and core is None
     # allocated once the GPTQ factor exists: the factor's two K x K matrices are the peak
     deq = torch.empty(lin.n, lin.k) if want_deq and lin.kind in (C.KIND_BF16, C.KIND_INT8) else None
     if lin.kind == C.KIND_BF16:
@@ -201,6 +207,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         return 0.0, deq
     if lin.kind == C.KIND_INT8:
         scales = torch.empty(lin.n, dtype=torch.bfloat16)
+        packed = np.empty((lin.n, lin.k), dtype=np.int8) if core is not None else None
         w.begin(f"{lin.name}.qweight")
         for r0 in range(0, lin.n, chunk):
             r1 = min(lin.n, r0 + chunk)
@@ -209,21 +216,26 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
             err, ref = err + e, ref + rf
             if deq is not None:
                 deq[r0:r1] = q.float() * s.float()[:, None]
+            if packed is not None:
+                packed[r0:r1] = q.numpy()
             w.write(q.view(torch.uint8).numpy())
             scales[r0:r1] = s
             bar.update(q.numel())
         w.end()
         w.put(f"{lin.name}.scales", scales.view(torch.uint8).numpy())
+        if packed is not None:
+            deq = CoreLinear(core, C.KIND_INT8, lin.n, lin.k, packed, scales)
         return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
     check_shape(lin.n, lin.k, layout)
     if lin.kind == C.KIND_LUT4:
-        return _write_lut4(w, source, lin, part_rows, chunk, hessian, bar, want_deq)
+        return _write_lut4(w, source, lin, part_rows, chunk, hessian, bar, want_deq, core)
     # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
     # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
     sz_all = torch.empty(lin.k // lin.group_size, lin.n, 2, dtype=torch.bfloat16)
     if lin.residual:  # the second plane, written after the first (rows32 bytes, formats/constants.py)
         res_all = np.empty(lin.n * lin.k // 2, dtype=np.uint8)
         rs_all = torch.empty(lin.n, lin.k // lin.group_size, dtype=torch.bfloat16)
+    packed = np.empty(lin.n * lin.k // 2, dtype=np.uint8) if core is not None else None
     factor = None
     if hessian is not None:
         factor = gptq_factor(hessian)
@@ -248,7 +260,10 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
             rs_all[r0:r1] = rs
         err += e
         ref += rf
-        w.write(pack_rows(codes.numpy(), lay, lin.n))
+        b = pack_rows(codes.numpy(), lay, lin.n)
+        if packed is not None:
+            packed[r0 * lin.k // 2: r1 * lin.k // 2] = b
+        w.write(b)
         sz_all[:, r0:r1] = sz
         del rows, codes, sz
         bar.update((r1 - r0) * lin.k // 2)
@@ -259,11 +274,13 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         w.put(f"{lin.name}.residual", res_all)
         w.put(f"{lin.name}.residual_scales", rs_all.view(torch.uint8).numpy())
         bar.update(res_all.size + rs_all.numel() * 2)
+    if packed is not None:  # (products read the first plane only, as the runtime's)
+        deq = CoreLinear(core, C.KIND_INT4, lin.n, lin.k, packed, sz_all, lin.group_size)
     return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
 
 
 def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows, chunk: int, hessian, bar,
-                want_deq: bool):
+                want_deq: bool, core=None):
     """A lut4 linear (convert/lut.py): per row block, the rows' levels and group parameters fitted
     (weighted by diag H when calibrated), then the codes by GPTQ against that grid, or the
     nearest levels without calibration."""
@@ -276,6 +293,7 @@ def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows
         factor = gptq_factor(hessian)
         chunk = max(chunk, (GPTQ_ROW_ELEMS // lin.k) // 64 * 64)
     deq = torch.empty(lin.n, lin.k) if want_deq else None  # after the factor (the peak)
+    packed = np.empty(lin.n * lin.k // 2, dtype=np.uint8) if core is not None else None
     err = ref = 0.0
     w.begin(f"{lin.name}.qweight")
     for r0 in range(0, lin.n, chunk):
@@ -294,7 +312,10 @@ def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows
             deq[r0:r1] = d
         err += float(((rows - d) ** 2).sum(dtype=torch.float64))
         ref += float((rows.to(torch.float64) ** 2).sum())
-        w.write(pack_rows(codes.numpy(), get_layout(ROWS32), lin.n))
+        b = pack_rows(codes.numpy(), get_layout(ROWS32), lin.n)
+        if packed is not None:
+            packed[r0 * lin.k // 2: r1 * lin.k // 2] = b
+        w.write(b)
         sz_all[:, r0:r1] = sz
         lv_all[r0:r1] = levels
         del rows, codes, sz, d
@@ -303,6 +324,8 @@ def _write_lut4(w: TensorFileWriter, source: Source, lin: LinearEntry, part_rows
     w.put(f"{lin.name}.scales_zeros", sz_all.view(torch.uint8).numpy())
     w.put(f"{lin.name}.levels", lv_all.view(torch.uint8).numpy())
     bar.update(sz_all.numel() * 2 + lv_all.numel())
+    if packed is not None:
+        deq = CoreLinear(core, C.KIND_LUT4, lin.n, lin.k, packed, sz_all, g, lv_all)
     return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
 
 

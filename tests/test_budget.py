@@ -175,7 +175,7 @@ def test_probe_estimates_are_output_errors(tiny):
                     want = g * B.relative_error(w, torch.diagonal(fit).clone(), c, held, fac)
                     assert d == pytest.approx(want, rel=1e-3, abs=1e-9), c.label
                     assert b == B.choice_bytes(lin.name, lin.n, lin.k, c)
-            if lin.name != C.ROLE_LM_HEAD:
-                cal.advance(lin.name, read(lin, 0, lin.n).float())
+            if lin.name != C.ROLE_LM_HEAD:  # the probe's own forward (bf16 products on native-bf16 CPUs)
+                cal.advance(lin.name, B._forward_weight(read(lin, 0, lin.n)))
     finally:
         src.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_llama, run_cli
+from helpers import kernel_builds, make_llama, run_cli
 from sparkq.convert.calib import BUNDLED
 from sparkq.convert.errors import ConvertError
 from sparkq.convert.pipeline import Options, convert
@@ -147,6 +147,85 @@ def test_gptq_dead_inputs_and_singular_hessian():
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
     codes, sz, err, ref = gptq_int4(w, 32, *gptq_factor(x.T @ x))
     assert torch.isfinite(dequantize_codes(codes, sz, 32, torch.float32)).all() and 0 < err < ref
+
+
+@pytest.mark.parametrize("build", kernel_builds())
+def test_gram_of_bf16_inputs_in_c_equals_the_float32_gram(build):
+    """sq_gram_bf16 (the down projections' Hessian on AVX512-BF16 builds) multiplies the same
+    exact bf16 products as gram()'s float32 blocks, summed in another order: within 1e-5 of the
+    largest entry, symmetric, with odd token counts (a zero-paired tail), several token chunks and
+    outlier channels. Every other build, and K not a multiple of 32, answer -2 (gram() then takes
+    the float32 path)."""
+    import ctypes
+
+    from sparkq.convert.calib import gram
+    from sparkq.runtime import core
+
+    lib = core.load(build)
+    gen = torch.Generator().manual_seed(3)
+    for t, k in ((7, 32), (1001, 96), (1536, 544)):
+        x = torch.randn(t, k, generator=gen) * torch.rand(k, generator=gen) * 2
+        x[:, 5] *= 40.0  # an outlier channel
+        x = x.to(torch.bfloat16)
+        h = torch.full((k, k), float("nan"))
+        rc = lib.sq_gram_bf16(x.data_ptr(), t, k, h.data_ptr())
+        if not lib.sq_prefill_bf16():
+            assert rc == -2
+            continue
+        ref = gram(x, use_c=False)
+        assert rc == 0 and torch.equal(h, h.T)
+        assert (h - ref).abs().max() <= 1e-5 * ref.abs().max(), (t, k)
+    y = torch.zeros(16, 48, dtype=torch.bfloat16)
+    assert lib.sq_gram_bf16(y.data_ptr(), 16, 48, ctypes.c_void_p(0)) == -2  # K % 32: not this kernel's
+
+
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "lut4-g32", "int8"])
+def test_calibration_moves_through_the_c_core_as_through_the_dequantized_weight(tmp_path, kernel_build, kind):
+    """The calibration forward through a packed CoreLinear (the C core's prompt products, what
+    conversions use) and through the same codes dequantized to float32 (the torch reference) give
+    the same activations within the W4A8 / W4A16 products' error, through every linear of a
+    two-layer model, whose Hessians then agree as closely."""
+    import numpy as np
+
+    from sparkq.convert.calib import Calibration, CoreLinear
+    from sparkq.convert.lut import fit_lut
+    from sparkq.convert.pipeline import _read_fused_rows, plan
+    from sparkq.convert.quantize import quantize_int8_rows
+    from sparkq.convert.source import open_source
+    from sparkq.formats.layout import dequantize_codes_lut, get_layout, pack_rows
+    from sparkq.runtime import core
+
+    lib = core.load(kernel_build)
+    src = make_llama(tmp_path / "m", hidden=128, inter=320, layers=2)
+    source = open_source(str(src))
+    _, spec, linears, _, srcs = plan(source, Options())
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(5))
+    ref, got = Calibration(source, spec, srcs, ids), Calibration(source, spec, srcs, ids)
+    enc, g = kind.split("-")[0], int(kind.split("-g")[1]) if "-g" in kind else 0
+    by = {l.name: l for l in linears}
+    for name in [f"layers.{i}.{r}" for i in range(spec.layers) for r in ("qkv", "o", "gate_up", "down")]:
+        lin = by[name]
+        w = _read_fused_rows(source, lin.sources, spec.part_rows(name), 0, lin.n).float()
+        if enc == "int8":
+            q, s, _, _ = quantize_int8_rows(w)
+            deq, packed = q.float() * s.float()[:, None], CoreLinear(lib, "int8", lin.n, lin.k, q.numpy(), s)
+        else:
+            if enc == "lut4":
+                lv, sz, codes = fit_lut(w, g)
+                deq = dequantize_codes_lut(codes, sz, lv, g, torch.float32)
+            else:
+                codes, sz, _, _ = quantize_rows(w, g, "minmax")
+                deq, lv = dequantize_codes(codes, sz, g, torch.float32), None
+            q = np.ascontiguousarray(pack_rows(codes.numpy(), get_layout("rows32"), lin.n))
+            packed = CoreLinear(lib, enc, lin.n, lin.k, q, sz, g, lv)
+        hr, hg = ref.hessian(name), got.hessian(name)
+        assert (hg - hr).abs().max() <= 0.03 * hr.abs().max(), name
+        ref.advance(name, deq)
+        got.advance(name, packed)
+        assert got.x.shape == ref.x.shape
+    err = (got.x - ref.x).norm() / ref.x.norm()
+    assert 0 < err < 0.02, float(err)  # a wrong scale layout, code order or kind is off by far more
 
 
 @pytest.mark.parametrize("fam", sorted(FAMILIES))

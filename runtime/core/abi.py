@@ -60,6 +60,7 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_gptq_block": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _P, _P, _I, _I, _P, _I, _P]),
     "sq_lut_fit": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _P]),
     "sq_clip_search": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]),
+    "sq_gram_bf16": (ctypes.c_int, [_P, _I, _I, _P]),
 }
 
 

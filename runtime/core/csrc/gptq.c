@@ -228,3 +228,68 @@ int sq_clip_search(const float *w, int64_t R, int64_t K, int64_t g, const double
     *err = total;
     return fail ? -1 : 0;
 }
+
+/* H = X^T X (fp32 [K, K], row-major, both triangles) for X bf16 [T, K] row-major: the Hessian of
+ * GPTQ's widest inputs (the down projections', which the converter keeps in bf16). On AVX512-BF16
+ * builds: per chunk of GRAM_TC tokens, the chunk's rows are interleaved in pairs (dword (p, c) =
+ * X[2p][c], X[2p+1][c]; an odd tail pairs with 0) and every tile of 32 columns (two 16-lane
+ * vectors) x 8 rows (dword broadcasts) on or below the 32-column diagonal blocks accumulates its
+ * vdpbf16ps sums (fp32) into H; the rest is mirrored at the end. bf16 x bf16 products are exact in
+ * fp32, so only the summation order differs from the float32 GEMM of convert/calib.py gram(),
+ * which is the reference (and the path of every other build: this one returns -2 there, or when
+ * K is not a multiple of 32). Returns 0, -1 out of memory, -2 not available. */
+#define GRAM_TC 512
+int sq_gram_bf16(const uint16_t *X, int64_t T, int64_t K, float *H) {
+#ifdef SQ_BF16
+    if (K % 32 || T < 1) return -2;
+    const int64_t P = GRAM_TC / 2, ncb = K / 32;
+    uint32_t *xp = aligned_alloc(64, sizeof(uint32_t) * P * K);
+    if (!xp) return -1;
+    memset(H, 0, sizeof(float) * K * K);
+    for (int64_t t0 = 0; t0 < T; t0 += GRAM_TC) {
+        const int64_t np = ((T - t0 < GRAM_TC ? T - t0 : GRAM_TC) + 1) / 2;
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < np; p++) {
+                const uint16_t *a = X + (t0 + 2 * p) * K, *b = t0 + 2 * p + 1 < T ? a + K : NULL;
+                uint32_t *d = xp + p * K;
+                for (int64_t c = 0; c < K; c++) d[c] = (uint32_t)a[c] | (b ? (uint32_t)b[c] << 16 : 0u);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t cb = 0; cb < ncb; cb++) {
+                const int64_t c0 = 32 * cb;
+                for (int64_t j0 = c0; j0 < K; j0 += 8) {
+                    __m512 acc[2][8];
+                    for (int h = 0; h < 2; h++)
+                        for (int t = 0; t < 8; t++) acc[h][t] = _mm512_setzero_ps();
+                    for (int64_t p = 0; p < np; p++) {
+                        const uint32_t *row = xp + p * K;
+                        const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(row + c0));
+                        const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(row + c0 + 16));
+                        for (int t = 0; t < 8; t++) {
+                            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)row[j0 + t]);
+                            acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w0, xv);
+                            acc[1][t] = _mm512_dpbf16_ps(acc[1][t], w1, xv);
+                        }
+                    }
+                    for (int t = 0; t < 8; t++)
+                        for (int h = 0; h < 2; h++) {
+                            float *o = H + (j0 + t) * K + c0 + 16 * h;
+                            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[h][t]));
+                        }
+                }
+            }
+        }
+    }
+    free(xp);
+    /* rows r above column c's 32-block were not computed: H[r][c] = H[c][r] */
+#pragma omp parallel for schedule(dynamic, 32)
+    for (int64_t r = 0; r < K; r++)
+        for (int64_t c = (r / 32 + 1) * 32; c < K; c++) H[r * K + c] = H[c * K + r];
+    return 0;
+#else
+    (void)X, (void)T, (void)K, (void)H;
+    return -2;
+#endif
+}
