@@ -247,3 +247,37 @@ def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
         ref = out["scalar"]
         # measured: builds within 4e-7 of each other; one key of 2,051 dropped from V moves it 7e-4
         assert ref != 0 and all(abs(x - ref) <= 1e-5 * abs(ref) for x in out.values()), (dim, out)
+
+
+def test_products_bench_tool_runs_and_batched_rows_are_single_rows(tmp_path):
+    """tools/gemvbench.c (docs/serving.md's per-linear timings) compiles against csrc and runs on
+    every build this CPU runs; four tokens through the batched products give one token's result
+    bit for bit (a 6144-column linear: the AVX512 products' column spans at four tokens), and the
+    builds agree with the portable one"""
+    import re
+    import subprocess
+    from pathlib import Path
+    from sparkq.runtime.core import builds
+    root = Path(__file__).resolve().parents[1]
+    cc = builds.compiler()
+    assert cc, "no C compiler"
+    out = {}
+    for name in builds.host_builds():
+        exe = tmp_path / name
+        p = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", *builds.BUILDS[name][0], "-I", str(root / "runtime/core/csrc"),
+                            str(root / "tools/gemvbench.c"), "-o", str(exe), "-lm"], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        for k, g in [(6144, 128), (6144, 32), (2048, 256)]:
+            checks = []
+            for m in (1, 3, 4):
+                p = subprocess.run([str(exe), str(k), "80", str(g), str(m), "1", "1"], capture_output=True, text=True,
+                                   timeout=300, env={"OMP_NUM_THREADS": "2"})
+                assert p.returncode == 0, p.stderr
+                r = re.search(rf"K={k} N=80 g={g} M={m} copies=1: best .* check (\S+)$", p.stdout.strip())
+                assert r, p.stdout
+                checks.append(r.group(1))
+            assert len(set(checks)) == 1, (name, k, g, checks)
+            out[(name, k, g)] = float(checks[0])
+    for (name, k, g), v in out.items():
+        ref = out[("scalar", k, g)]
+        assert ref != 0 and abs(v - ref) <= 1e-4 * abs(ref), (name, k, g, v, ref)

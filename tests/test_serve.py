@@ -39,13 +39,18 @@ def _lite(art, slots, **kw):
 @pytest.fixture(scope="module")
 def variants(serve_art, tmp_path_factory):
     """the same checkpoint with other products: lut4 g32 body + int8 head, int4 g64 + split head;
-    and a qwen2 checkpoint (a qkv bias)"""
+    a qwen2 checkpoint (a qkv bias); one layer with a 4096-wide MLP, int4 g128 and lut4 g256"""
     src, d = serve_art.parent / "m", tmp_path_factory.mktemp("variants")
     out = {"default": serve_art}
     for name, o in {"lut4-g32-int8head": Options(progress=False, method="minmax", kind="lut4", group_size=32, head="int8"),
                     "int4-g64-split": Options(progress=False, method="minmax", kind="int4", group_size=64, head="split")}.items():
         convert(str(src), str(d / name), o)
         out[name] = d / name
+    # down over 4096 columns: three or four tokens' activations past the AVX512 products' L1 span
+    wide = make_llama(d / "widesrc", inter=4096, layers=1, seed=7)
+    convert(str(wide), str(d / "wide-mlp"), Options(progress=False, method="minmax", kind="int4", group_size=128))
+    convert(str(wide), str(d / "wide-mlp-lut4"), Options(progress=False, method="minmax", kind="lut4", group_size=256))
+    out["wide-mlp"], out["wide-mlp-lut4"] = d / "wide-mlp", d / "wide-mlp-lut4"
     q2 = make_llama(d / "q2src", arch="qwen2", layers=2, seed=6)  # a qkv bias
     convert(str(q2), str(d / "qwen2-bias"), Options(progress=False, method="minmax"))
     out["qwen2-bias"] = d / "qwen2-bias"
@@ -55,7 +60,8 @@ def variants(serve_art, tmp_path_factory):
 PROMPTS = ["hello there", "the quick brown fox jumps over the lazy dog " * 2, "a", "0123456789" * 9, "zz top"]
 
 
-@pytest.mark.parametrize("variant", ["default", "default@bf16", "lut4-g32-int8head", "int4-g64-split", "qwen2-bias"])
+@pytest.mark.parametrize("variant", ["default", "default@bf16", "lut4-g32-int8head", "int4-g64-split", "qwen2-bias",
+                                     "wide-mlp", "wide-mlp-lut4"])
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 def test_step_many_is_the_decode_step_bit_for_bit_in_any_company(variants, variant, kernel_build):
     """The batched decode step's rows are the single-sequence step's logits exactly (the same

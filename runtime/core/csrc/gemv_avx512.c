@@ -55,28 +55,25 @@ static inline __attribute__((always_inline)) float half_step(const uint8_t *w, c
     return hsum8(x) * s[st * (ng - 1)];
 }
 
-/* One row n of int4 x quad int8 activations (VNNI; g 32, 64, or a multiple of 128) for T tokens
- * (1..4; outputs y + t * ldy): each step's codes unpacked once for all T, every token's arithmetic
- * the single-token product's (the batched decode step's bits are the decode step's). sc: the
- * row's fp32 weight scales, one every 16 floats (its chunk's scales are group-major: sc[16 gi +
- * row]); zt[16 t]: token t's zero and -8 terms. Per 128 columns one 64-byte weight load, two
- * masks, and per token two vpdpbusd, a convert and two FMAs (activation scales, weight scales;
- * g >= 256: the weight scale once per group, through a group accumulator); a last half step
- * (K % 128 == 64, then g = 64 or 32) goes through 256-bit VNNI. */
-static inline __attribute__((always_inline)) void row_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
-                                                                       float *y, int64_t ldy, int64_t n, const float *sc,
-                                                                       const float *zt, int64_t ahead, const int LUT) {
-    const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
+/* Steps [p0, p1) of one row n of int4 x quad int8 activations (VNNI; g 32, 64, or a multiple of
+ * 128; for g >= 256, p0 and p1 on group boundaries) for T tokens (1..4), into acc[t]: each step's
+ * codes unpacked once for all T, every token's arithmetic the single-token product's (the batched
+ * decode step's bits are the decode step's). sc: the row's fp32 weight scales, one every 16
+ * floats (its chunk's scales are group-major: sc[16 gi + row]). Per 128 columns one 64-byte
+ * weight load, two masks, and per token two vpdpbusd, a convert and two FMAs (activation scales,
+ * weight scales; g >= 256: the weight scale once per group, through a group accumulator). */
+static inline __attribute__((always_inline)) void span_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
+                                                                        int64_t n, const float *sc, int64_t ahead,
+                                                                        int64_t p0, int64_t p1, __m512 *acc, const int LUT) {
+    const int64_t K = L->k, G = L->g, rb = K / 2;
     const uint8_t *w = L->q + n * rb, *wa = w + ahead * rb;
     const __m512i tab = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n))),
                                                _mm512_set1_epi8((char)0x80))
                             : _mm512_setzero_si512();
-    __m512 acc[4];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     __m512i lo, hi;
     if (G <= 128) { /* one step per scale vector: no group accumulator */
         const int gsh = group_shift(G);
-        for (int64_t p = 0; p < nq; p++) {
+        for (int64_t p = p0; p < p1; p++) {
             quad_codes(w, wa, p, tab, &lo, &hi, LUT);
             const __m512 ws = step_scales(sc, gsh, p, 16);
             for (int t = 0; t < T; t++)
@@ -84,7 +81,7 @@ static inline __attribute__((always_inline)) void row_x4_a8quad_avx512(const sq_
         }
     } else {
         const int64_t spg = G / 128;
-        for (int64_t gi = 0; gi < ng; gi++) {
+        for (int64_t gi = p0 / spg; gi < p1 / spg; gi++) {
             __m512 gacc[4];
             for (int t = 0; t < T; t++) gacc[t] = _mm512_setzero_ps();
             for (int64_t p = gi * spg; p < (gi + 1) * spg; p++) {
@@ -95,11 +92,24 @@ static inline __attribute__((always_inline)) void row_x4_a8quad_avx512(const sq_
             for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(gacc[t], _mm512_set1_ps(sc[16 * gi]), acc[t]);
         }
     }
+}
+
+/* Row n's outputs y + t * ldy from its accumulators: a last half step (K % 128 == 64, then g = 64
+ * or 32) through 256-bit VNNI, and zt[16 t]: token t's zero and -8 terms */
+static inline __attribute__((always_inline)) void row_end_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
+                                                                        float *y, int64_t ldy, int64_t n, const float *sc,
+                                                                        const float *zt, const __m512 *acc, const int LUT) {
+    const int64_t K = L->k, G = L->g, rb = K / 2, nq = K / 128, ng = K / G;
+    const uint8_t *w = L->q + n * rb;
+    const __m512i tab = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n))),
+                                               _mm512_set1_epi8((char)0x80))
+                            : _mm512_setzero_si512();
     for (int t = 0; t < T; t++) {
         const float tl = K % 128 ? half_step(w, a[t].q, a[t].s8, nq, tab, sc, 16, ng, group_shift(G), LUT) : 0.f;
         y[t * ldy + n] = _mm512_reduce_add_ps(acc[t]) + tl + zt[16 * t];
     }
 }
+
 
 /* Rows [r0, r1), 16 at a time. A chunk's scales and zeros are one cache line per group
  * ([K/g, N, 2]); they are converted up front, 16 rows per vector, into group-major scales and
@@ -135,13 +145,34 @@ static inline __attribute__((always_inline)) void chunk_x4_a8quad_avx512(const s
                                                                        _mm512_set1_ps(a[t].gqsum[gi]))));
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(zt[t], ztv[t]);
-    const int64_t per = (ng + 15) / 16; /* scale lines of the chunk 3 on, spread over the rows */
-    for (int64_t i = 0; i < nr; i++) {
-        if (r0 + 64 < N)
-            for (int64_t gi = i * per; gi < (i + 1) * per && gi < ng; gi++)
-                _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
-        row_x4_a8quad_avx512(L, a, T, y, ldy, r0 + i, sc + i, zt[0] + i, ahead, LUT);
+    const int64_t per = (ng + 15) / 16, nq = L->k / 128; /* scale lines of the chunk 3 on, spread over the rows */
+    const int64_t spg = L->g > 128 ? L->g / 128 : 1, cap = SPAN_L1 * 2 / (3 * 128 * T); /* steps per span */
+    if (T == 1 || nq <= cap || cap < spg) { /* one span: each row start to end, one sequential stream */
+        for (int64_t i = 0; i < nr; i++) {
+            if (r0 + 64 < N)
+                for (int64_t gi = i * per; gi < (i + 1) * per && gi < ng; gi++)
+                    _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
+            __m512 acc[4];
+            for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+            span_x4_a8quad_avx512(L, a, T, r0 + i, sc + i, ahead, 0, nq, acc, LUT);
+            row_end_a8quad_avx512(L, a, T, y, ldy, r0 + i, sc + i, zt[0] + i, acc, LUT);
+        }
+        return;
     }
+    const int64_t span = cap / spg * spg;
+    __m512 acc[16][4];
+    for (int64_t i = 0; i < nr; i++)
+        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < nq; p0 += span) {
+        const int64_t p1 = p0 + span < nq ? p0 + span : nq;
+        for (int64_t i = 0; i < nr; i++) {
+            if (p0 == 0 && r0 + 64 < N)
+                for (int64_t gi = i * per; gi < (i + 1) * per && gi < ng; gi++)
+                    _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
+            span_x4_a8quad_avx512(L, a, T, r0 + i, sc + i, ahead, p0, p1, acc[i], LUT);
+        }
+    }
+    for (int64_t i = 0; i < nr; i++) row_end_a8quad_avx512(L, a, T, y, ldy, r0 + i, sc + i, zt[0] + i, acc[i], LUT);
 }
 
 static void gemv_q4_a8quad_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {

@@ -105,6 +105,16 @@ static inline __mmask16 rows_mask(int64_t left) {
 
 #ifdef SQ_AVX2
 /* rows ahead of the current one whose bytes the row loops prefetch: `bytes` worth, at least 2 */
+/* The batched decode products (AVX512 int4/lut4, T >= 2 tokens a pass): activation bytes (codes
+ * and scales) are 1 + 4 / 8 per token and column. Past SPAN_L1 bytes for the pass's tokens (the
+ * 6144-column `down` of the 1.7B shape at T = 4: 36 KiB, more than a Zen 4 core's 32 KiB L1) a
+ * 16-row chunk runs in column spans of ~SPAN_L1 / T bytes of activations, all its rows span by
+ * span, each row's accumulators kept between spans: the same arithmetic in the same order, the
+ * same bits. One token keeps one sequential stream per row (docs/serving.md). */
+#ifndef SPAN_L1
+#define SPAN_L1 (16 * 1024)
+#endif
+
 static inline int64_t rows_ahead(int64_t rowbytes, int64_t bytes) {
     const int64_t r = (bytes + rowbytes - 1) / rowbytes;
     return r > 2 ? r : 2;
