@@ -251,9 +251,11 @@ def test_attention_bench_tool_runs_and_its_builds_agree(cache, tmp_path):
 
 def test_products_bench_tool_runs_and_batched_rows_are_single_rows(tmp_path):
     """tools/gemvbench.c (docs/serving.md's per-linear timings) compiles against csrc and runs on
-    every build this CPU runs; four tokens through the batched products give one token's result
-    bit for bit (a 6144-column linear: the AVX512 products' column spans at four tokens), and the
-    builds agree with the portable one"""
+    every build this CPU runs; every token through the batched products (each its own activations;
+    one to twenty tokens: partial and several four-token tiles, AVX2's interleaved zero-term table
+    and, at 20 x 192 groups, its scalar fallback) gives its result alone bit for bit (a 6144-column
+    linear: the AVX512 products' column spans at four tokens), and the builds agree with the
+    portable one"""
     import re
     import subprocess
     from pathlib import Path
@@ -267,14 +269,16 @@ def test_products_bench_tool_runs_and_batched_rows_are_single_rows(tmp_path):
         p = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", *builds.BUILDS[name][0], "-I", str(root / "runtime/core/csrc"),
                             str(root / "tools/gemvbench.c"), "-o", str(exe), "-lm"], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
-        for k, g in [(6144, 128), (6144, 32), (2048, 256)]:
+        for k, g in [(6144, 128), (6144, 32), (2048, 64), (2048, 256)]:
             checks = []
-            for m in (1, 3, 4):
+            for m in (1, 3, 4, 5, 8) + ((20,) if g == 32 else ()):
                 p = subprocess.run([str(exe), str(k), "80", str(g), str(m), "1", "1"], capture_output=True, text=True,
                                    timeout=300, env={"OMP_NUM_THREADS": "2"})
                 assert p.returncode == 0, p.stderr
-                r = re.search(rf"K={k} N=80 g={g} M={m} copies=1: best .* check (\S+)$", p.stdout.strip())
+                r = re.search(rf"K={k} N=80 g={g} M={m} copies=1: best .* check (\S+), tokens unlike alone (\d+)$",
+                              p.stdout.strip())
                 assert r, p.stdout
+                assert r.group(2) == "0", (name, k, g, m, p.stdout)
                 checks.append(r.group(1))
             assert len(set(checks)) == 1, (name, k, g, checks)
             out[(name, k, g)] = float(checks[0])

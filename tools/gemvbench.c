@@ -40,23 +40,32 @@ int main(int argc, char **argv) {
         L[c] = (sq_linear){.q = q, .sz = sz, .kind = KIND_INT4, .n = N, .k = K, .g = G};
     }
     sq_act *a = acts_new(M, K);
-    float *x = malloc(sizeof(float) * K), *Y = malloc(sizeof(float) * M * N);
-    for (int64_t i = 0; i < K; i++) x[i] = (float)(rand() % 2001 - 1000) / 1000.f;
+    float *x = malloc(sizeof(float) * K * M), *Y = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * N);
+    for (int64_t i = 0; i < K * M; i++) x[i] = (float)(rand() % 2001 - 1000) / 1000.f; /* each token its own */
     double best = 1e30, tot = 0;
     for (int64_t r = 0; r < reps; r++) {
         const double t0 = now();
 #pragma omp parallel
         for (int64_t c = 0; c < copies; c++) {
 #pragma omp single
-            for (int64_t t = 0; t < M; t++) prep(&L[c], x, &a[t]);
+            for (int64_t t = 0; t < M; t++) prep(&L[c], x + t * K, &a[t]);
             products_many(&L[c], a, M, Y, N);
         }
         const double t = now() - t0;
         best = t < best ? t : best, tot += t;
     }
+    /* every token's batched row against its product alone (the last copy's, which Y holds) */
+    int64_t differ = 0;
+    for (int64_t t = 0; t < M; t++) {
+        prep(&L[copies - 1], x + t * K, &a[t]); /* the same codes again, and a new schedule epoch */
+#pragma omp parallel
+        products_many(&L[copies - 1], a + t, 1, y1, N);
+        differ += memcmp(y1, Y + t * N, sizeof(float) * N) != 0;
+    }
     const double bytes = (double)copies * N * K / 2;
-    printf("K=%lld N=%lld g=%lld M=%lld copies=%lld: best %.2f ms (%.1f GB/s), mean %.2f ms, check %.9g\n",
+    printf("K=%lld N=%lld g=%lld M=%lld copies=%lld: best %.2f ms (%.1f GB/s), mean %.2f ms, check %.9g, "
+           "tokens unlike alone %lld\n",
            (long long)K, (long long)N, (long long)G, (long long)M, (long long)copies, best * 1e3, bytes / best / 1e9,
-           tot / reps * 1e3, Y[0] + Y[N - 1]);
+           tot / reps * 1e3, Y[0] + Y[N - 1], (long long)differ);
     return 0;
 }

@@ -34,36 +34,51 @@ static inline __attribute__((always_inline)) __m256i xstep_avx2(const int8_t *xq
  * in both lanes), multiplied with the sign trick (|t| and x with t's sign: maddubs wants an unsigned
  * operand). The bytes `ahead` rows further on are prefetched as they are read: a software stream
  * beside the hardware one. A token's arithmetic does not depend on T, so its result is the
- * single-token product's bit for bit. (The zero terms as one vector FMA per group instead of the
- * scalar chain: the same speed, measured, and it would part the decode products' bits from the
- * prompt GEMM's.) */
+ * single-token product's bit for bit. gT (the batched products): the T tokens' group sums
+ * interleaved, [group][gsum x 4, gqsum x 4], so each group's zero terms are one 128-bit vector for
+ * all T, the scalar chain's operations in its order (the same bits); NULL: the scalar chain. PPG:
+ * 64-column steps per group fixed at compile time (0: L->g / 64). */
 static inline __attribute__((always_inline)) void row_x4_a8pair_many_avx2(const sq_linear *L, const sq_act *a, float *y,
                                                                           int64_t ldy, int64_t n, int64_t ahead,
-                                                                          const int T, const int LUT) {
-    const int64_t K = L->k, N = L->n, G = L->g, ppg = G / 64, ngroups = K / G, rb = K / 2;
+                                                                          const int T, const int LUT, const float *gT,
+                                                                          const int PPG) {
+    const int64_t K = L->k, N = L->n, G = L->g, ppg = PPG ? PPG : G / 64, ngroups = K / G, rb = K / 2;
     const __m256i tab = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n)))
                             : _mm256_setzero_si256();
     __m256 acc[4];
     float zt[4];
+    __m128 zt4 = _mm_setzero_ps();
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), zt[t] = 0.f;
     const uint8_t *w = L->q + n * rb;
+    const int8_t *xq[4];
+    const float *xs[4], *xg[4], *xgq[4];
+    for (int t = 0; t < T; t++) xq[t] = a[t].q, xs[t] = a[t].s8, xg[t] = a[t].gsum, xgq[t] = a[t].gqsum;
+    const uint16_t *szp = L->sz + 2 * n;
     if (G == 32) {
         for (int64_t p = 0; p < K / 64; p++) {
             _mm_prefetch((const char *)(w + ahead * rb + 32 * p), _MM_HINT_T0);
             __m256i lo, hi, tl = tab, th = tab;
             wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
-            const uint16_t *p0 = L->sz + 2 * (2 * p * N + n), *p1 = L->sz + 2 * ((2 * p + 1) * N + n);
+            const uint16_t *p0 = szp + 4 * p * N, *p1 = p0 + 2 * N;
             const float s0 = bf(p0[0]), z0 = bf(p0[1]), s1 = bf(p1[0]), z1 = bf(p1[1]);
             const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
             for (int t = 0; t < T; t++) {
-                const sq_act *x = a + t;
-                const __m256i d = xstep_avx2(x->q, p, lo, hi, tl, th, LUT);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(x->s8 + 8 * p)), sv, acc[t]);
-                zt[t] += LUT ? z0 * x->gsum[2 * p] + z1 * x->gsum[2 * p + 1]
-                             : z0 * x->gsum[2 * p] - 8.f * s0 * x->gqsum[2 * p] + z1 * x->gsum[2 * p + 1] -
-                                   8.f * s1 * x->gqsum[2 * p + 1];
+                const __m256i d = xstep_avx2(xq[t], p, lo, hi, tl, th, LUT);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xs[t] + 8 * p)), sv, acc[t]);
             }
+            if (gT) {
+                const float *g0 = gT + 16 * p, *g1 = g0 + 8;
+                const __m128 a0 = _mm_mul_ps(_mm_set1_ps(z0), _mm_load_ps(g0)), a1 = _mm_mul_ps(_mm_set1_ps(z1), _mm_load_ps(g1));
+                zt4 = _mm_add_ps(zt4, LUT ? _mm_add_ps(a0, a1)
+                                          : _mm_sub_ps(_mm_add_ps(_mm_sub_ps(a0, _mm_mul_ps(_mm_set1_ps(8.f * s0), _mm_load_ps(g0 + 4))), a1),
+                                                       _mm_mul_ps(_mm_set1_ps(8.f * s1), _mm_load_ps(g1 + 4))));
+            } else
+                for (int t = 0; t < T; t++)
+                    zt[t] += LUT ? z0 * xg[t][2 * p] + z1 * xg[t][2 * p + 1]
+                                 : z0 * xg[t][2 * p] - 8.f * s0 * xgq[t][2 * p] + z1 * xg[t][2 * p + 1] -
+                                       8.f * s1 * xgq[t][2 * p + 1];
         }
+        if (gT) _mm_storeu_ps(zt, zt4);
         for (int t = 0; t < T; t++) y[t * ldy + n] = hsum8(acc[t]) + zt[t];
         return;
     }
@@ -76,23 +91,26 @@ static inline __attribute__((always_inline)) void row_x4_a8pair_many_avx2(const 
             __m256i lo, hi, tl = tab, th = tab;
             wstep_avx2(w, p, tab, &lo, &hi, &tl, &th, LUT);
             for (int t = 0; t < T; t++)
-                gacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(xstep_avx2(a[t].q, p, lo, hi, tl, th, LUT)),
-                                          _mm256_loadu_ps(a[t].s8 + 8 * p), gacc[t]);
+                gacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(xstep_avx2(xq[t], p, lo, hi, tl, th, LUT)),
+                                          _mm256_loadu_ps(xs[t] + 8 * p), gacc[t]);
         }
-        const uint16_t *p = L->sz + 2 * (gi * N + n);
+        const uint16_t *p = szp + 2 * gi * N;
         const float s = bf(p[0]), z = bf(p[1]);
-        for (int t = 0; t < T; t++) {
-            acc[t] = _mm256_fmadd_ps(gacc[t], _mm256_set1_ps(s), acc[t]);
-            zt[t] += LUT ? z * a[t].gsum[gi] : z * a[t].gsum[gi] - 8.f * s * a[t].gqsum[gi];
-        }
+        for (int t = 0; t < T; t++) acc[t] = _mm256_fmadd_ps(gacc[t], _mm256_set1_ps(s), acc[t]);
+        if (gT) {
+            const __m128 zg = _mm_mul_ps(_mm_set1_ps(z), _mm_load_ps(gT + 8 * gi));
+            zt4 = _mm_add_ps(zt4, LUT ? zg : _mm_sub_ps(zg, _mm_mul_ps(_mm_set1_ps(8.f * s), _mm_load_ps(gT + 8 * gi + 4))));
+        } else
+            for (int t = 0; t < T; t++) zt[t] += LUT ? z * xg[t][gi] : z * xg[t][gi] - 8.f * s * xgq[t][gi];
     }
+    if (gT) _mm_storeu_ps(zt, zt4);
     for (int t = 0; t < T; t++) y[t * ldy + n] = hsum8(acc[t]) + zt[t];
 }
 
 /* one row, one token (the decode step) */
 static inline __attribute__((always_inline)) void row_x4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y,
                                                                      int64_t n, int64_t ahead, const int LUT) {
-    row_x4_a8pair_many_avx2(L, a, y, 0, n, ahead, 1, LUT);
+    row_x4_a8pair_many_avx2(L, a, y, 0, n, ahead, 1, LUT, NULL, 0);
 }
 
 /* Rows [r0, r1) (one 16-row chunk of the products loop). Decode streams every weight once, so
@@ -112,27 +130,47 @@ static inline __attribute__((always_inline)) void rows_x4_a8pair_avx2(const sq_l
     for (int64_t n = r0; n < r1; n++) row_x4_a8pair_avx2(L, a, y, n, ahead, LUT);
 }
 
-/* rows [r0, r1) for M tokens (outputs y + t * ldy), four tokens per pass over a row */
+/* rows [r0, r1) for M tokens (outputs y + t * ldy), four tokens per pass over a row. The four
+ * tokens' group sums are interleaved first ([group][gsum x 4, gqsum x 4], one vector of zero
+ * terms per group for all four: the scalar chain's arithmetic lane by lane, so the same bits),
+ * and g128's steps per group fixed at compile time. Measured (tools/gemvbench.c, docs/serving.md):
+ * 1.2x at M = 4 on Zen 3, where the per-group scalar work sat beside the one integer-multiply
+ * pipe's maddubs/madd. */
+#define GT_MAX 768 /* groups x 4-token blocks the stack table holds (24 KiB); beyond it, scalar */
 static void gemv_4bit_a8pair_many_avx2(const sq_linear *L, const sq_act *a, int64_t M, float *y, int64_t ldy,
                                        int64_t r0, int64_t r1) {
-    const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, ahead = rows_ahead(rb, 1024);
+    const int64_t N = L->n, ng = L->k / L->g, rb = L->k / 2, ahead = rows_ahead(rb, 1024), nb4 = (M + 3) / 4;
     const int lut = L->kind == KIND_LUT4;
     for (int64_t gi = 0; gi < ng && r0 + 32 < N; gi++)
         _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 32)), _MM_HINT_T0);
+    float gTs[8 * GT_MAX] __attribute__((aligned(16)));
+    float *gT0 = ng * nb4 <= GT_MAX ? gTs : NULL;
+    if (gT0)
+        for (int64_t b = 0; b < nb4; b++)
+            for (int64_t t = 0; t < 4; t++) {
+                float *g = gT0 + 8 * b * ng + t;
+                if (4 * b + t < M) {
+                    const float *gs = a[4 * b + t].gsum, *gq = a[4 * b + t].gqsum;
+                    for (int64_t gi = 0; gi < ng; gi++) g[8 * gi] = gs[gi], g[8 * gi + 4] = gq[gi];
+                } else
+                    for (int64_t gi = 0; gi < ng; gi++) g[8 * gi] = g[8 * gi + 4] = 0.f;
+            }
+    const int g128 = L->g == 128;
     for (int64_t n = r0; n < r1; n++)
         for (int64_t t0 = 0; t0 < M; t0 += 4) {
             const sq_act *x = a + t0;
             float *yt = y + t0 * ldy;
+            const float *gT = gT0 ? gT0 + 8 * (t0 / 4) * ng : NULL;
+#define SQ_MANY_CASE(T, LUT) \
+    case 2 * T + LUT: \
+        if (g128) row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, T, LUT, gT, 2); \
+        else row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, T, LUT, gT, 0); \
+        break;
             switch ((M - t0 < 4 ? M - t0 : 4) * 2 + lut) {
-            case 2: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 1, 0); break;
-            case 3: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 1, 1); break;
-            case 4: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 2, 0); break;
-            case 5: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 2, 1); break;
-            case 6: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 3, 0); break;
-            case 7: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 3, 1); break;
-            case 8: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 4, 0); break;
-            default: row_x4_a8pair_many_avx2(L, x, yt, ldy, n, ahead, 4, 1); break;
+                SQ_MANY_CASE(1, 0) SQ_MANY_CASE(1, 1) SQ_MANY_CASE(2, 0) SQ_MANY_CASE(2, 1)
+                SQ_MANY_CASE(3, 0) SQ_MANY_CASE(3, 1) SQ_MANY_CASE(4, 0) SQ_MANY_CASE(4, 1)
             }
+#undef SQ_MANY_CASE
         }
 }
 
