@@ -372,6 +372,9 @@ def serve(
     model_name: Optional[str] = typer.Option(None, "--model-name", help="the id clients send as 'model' "
                                              "(default: the directory's name or the repo id)"),
     max_queue: int = typer.Option(64, "--max-queue", help="requests that may wait for a slot; more get HTTP 429"),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache",
+                                      help="a request whose prompt begins like the one a free slot last held "
+                                      "prefills only the rest (the same answer bits either way)"),
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) that
     decodes concurrent requests together, one pass over the weights per step."""
@@ -390,7 +393,7 @@ def serve(
 
     _run(run_server, model, host=host, port=port, parallel=parallel, api_key=api_key, kv_budget_mib=kv_budget_mib,
          max_model_len=max_model_len, threads=threads, model_name=model_name, max_queue=max_queue,
-         echo=lambda s: typer.echo(s, err=True), **_kv(kv_dtype))
+         prefix_cache=prefix_cache, echo=lambda s: typer.echo(s, err=True), **_kv(kv_dtype))
 
 
 def _rss_mib() -> dict:

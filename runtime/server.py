@@ -279,7 +279,8 @@ class App:
     @staticmethod
     def _usage(ev: dict) -> dict:
         return {"prompt_tokens": ev["prompt_tokens"], "completion_tokens": ev["completion_tokens"],
-                "total_tokens": ev["prompt_tokens"] + ev["completion_tokens"]}
+                "total_tokens": ev["prompt_tokens"] + ev["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": ev.get("cached_tokens", 0)}}
 
     async def _collect(self, req, q, meta, chat):
         text = []
@@ -384,7 +385,7 @@ class Collected:
 
 def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,
           max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print,
-          kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
+          kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True) -> None:
     import socket
 
     import uvicorn
@@ -404,11 +405,12 @@ def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str 
              kv_dtype=kv_dtype)
     if m.tokenizer is None:
         raise RuntimeUserError(f"{model_path}: no tokenizer.json; the server needs the model's tokenizer")
-    engine = Engine(m, max_queue=max_queue)
+    engine = Engine(m, max_queue=max_queue, prefix_cache=prefix_cache)
     name = model_name or (m.info.extra.get("hub") or {}).get("repo") or str(model_path).rstrip("/").split("/")[-1]
     app = App(engine, name, api_key)
     echo(f"sparkq serve: {name} on http://{host}:{port}/v1 ({parallel} slots x {engine.slot_cap} tokens, {kv_dtype} KV, "
-         f"{m.session.threads} threads{', API key required' if api_key else ''})")
+         f"{m.session.threads} threads{', prefix cache off' if not prefix_cache else ''}"
+         f"{', API key required' if api_key else ''})")
     try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
         uvicorn.Server(uvicorn.Config(app.asgi, host=host, port=port, log_level="warning", access_log=False)).run(
             sockets=[sock])

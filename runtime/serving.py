@@ -15,6 +15,14 @@ deltas (UTF-8 safe, held back while they could be the start of a stop string), t
 event with the finish reason (``stop``: a stop token or string; ``length``: max_tokens or the
 slot's end) and the token counts. ``cancel`` (a client that went away) frees the slot before the
 next step.
+
+Prefix cache: a slot keeps the prompt it last prefilled. A newcomer takes the free slot whose
+kept prompt shares the longest prefix with its own (else the least recently used one) and
+prefills only the rest, at least its last token. Only positions the prompt path wrote are
+reused, never the decode steps' (their products sum in another order), and the prompt path gives
+the same bits whole or continued from any position (tested), so a reused prefix changes no bit of
+the answer. On builds whose prompt GEMM depends on the slice length (AVX512-BF16: bf16 from 32
+tokens) the reuse is cut to whole slices, where a fresh prompt's slices begin.
 """
 from __future__ import annotations
 
@@ -59,12 +67,13 @@ class Request:
     rng: object = None
     t_submit: float = 0.0
     t_first: float = 0.0
+    cached: int = 0  # prompt tokens whose K/V the slot already held (the prefix cache)
 
 
 class Engine:
     """Continuous batching over a LiteModel loaded with ``slots = parallel``."""
 
-    def __init__(self, model, *, max_queue: int = 64, prefill_slice: int = PREFILL_SLICE):
+    def __init__(self, model, *, max_queue: int = 64, prefill_slice: int = PREFILL_SLICE, prefix_cache: bool = True):
         self.model, self.session, self.tok = model, model.session, model.tokenizer
         self.parallel = model.slots
         self.slot_cap = min(model.cap, model.max_model_len)  # positions per sequence
@@ -72,12 +81,21 @@ class Engine:
         self.stop_ids = set(self.tok.stop_ids) if self.tok else set()
         self.session.reserve_batch(self.parallel)
         self.free = list(range(self.parallel))[::-1]
+        # the prefix cache: per slot the prompt ids whose K/V it holds and how many (prompt-path
+        # positions only), the step it was last taken; reuse in whole slices where the prompt
+        # GEMM's bits depend on the slice length
+        self.prefix_cache = bool(prefix_cache)
+        self.kept: list[tuple[list[int], int]] = [([], 0)] * self.parallel
+        self.last_used, self.tick = [0] * self.parallel, 0
+        lib = getattr(self.session, "lib", None)
+        self.reuse_grid = self.prefill_slice if lib is not None and lib.sq_prefill_bf16() else 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in a slot: prefilling (filled < len(ids)) or decoding
         self.cv = threading.Condition()
         self.closed = False
         self.error: BaseException | None = None
-        self.stats = {"steps": 0, "max_batch": 0, "decoded": 0, "prefilled": 0, "completed": 0, "cancelled": 0}
+        self.stats = {"steps": 0, "max_batch": 0, "decoded": 0, "prefilled": 0, "cached": 0, "completed": 0,
+                      "cancelled": 0}
         self.thread = threading.Thread(target=self._loop, name="sparkq-engine", daemon=True)
         self.thread.start()
 
@@ -147,7 +165,7 @@ class Engine:
             self.stats["cancelled"] += 1
             return
         self.stats["completed"] += 1
-        r.emit({"finish": reason, "prompt_tokens": len(r.ids), "completion_tokens": len(r.new)})
+        r.emit({"finish": reason, "prompt_tokens": len(r.ids), "completion_tokens": len(r.new), "cached_tokens": r.cached})
 
     def _admit(self) -> None:
         for r in [r for r in self.running if r.cancelled]:
@@ -157,8 +175,30 @@ class Engine:
             self.stats["cancelled"] += 1
         while self.waiting and self.free:
             r = self.waiting.popleft()
-            r.slot = self.free.pop()
+            reuse = {k: self._reusable(k, r.ids) for k in self.free}
+            best = max(self.free, key=lambda k: (reuse[k], -self.last_used[k]))  # else the least recently used
+            self.free.remove(best)
+            r.slot, r.cached = best, reuse[best]
+            r.filled = r.cached
+            self.kept[best] = (r.ids, r.cached)  # the positions past it are about to be rewritten
+            self.tick += 1
+            self.last_used[best] = self.tick
+            self.stats["cached"] += r.cached
             self.running.append(r)
+
+    def _reusable(self, slot: int, ids: list[int]) -> int:
+        """prompt tokens of ids whose K/V slot already holds (the last one is always prefilled:
+        its logits start the answer)"""
+        if not self.prefix_cache:
+            return 0
+        have, n = self.kept[slot]
+        n = min(n, len(ids) - 1)
+        if n <= 0:
+            return 0
+        a, b = np.asarray(have[:n]), np.asarray(ids[:n])
+        diff = np.flatnonzero(a != b)
+        n = int(diff[0]) if diff.size else n
+        return n // self.reuse_grid * self.reuse_grid
 
     def _text(self, r: Request, last: bool = False) -> str | None:
         """The new text of r to emit (None: r hit a stop string, finished here)."""
@@ -232,6 +272,8 @@ class Engine:
                 logits = s.head_many(xn) if b == len(pre.ids) else None
                 with self.cv:
                     pre.filled = b
+                    if pre.slot >= 0:
+                        self.kept[pre.slot] = (pre.ids, b)
                     self.stats["prefilled"] += b - a
                     if logits is not None and not pre.cancelled:
                         self._accept(pre, sample(logits[0], pre.temperature, pre.top_p, pre.rng))

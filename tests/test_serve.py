@@ -157,6 +157,65 @@ def test_batch_invariance_a_request_decodes_the_same_alone_or_beside_others(serv
         e.close()
 
 
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_a_prompt_continued_from_a_kept_prefix_is_the_same_bits(serve_art, kv, kernel_build):
+    """The prefix cache's premise on the torch-free runtime: a prompt prefilled whole, or as a
+    prefix and then the rest from any position (in the server's 64-token slices), leaves the same
+    hidden states, bit for bit, with either cache; where the prompt GEMM depends on the slice
+    length (AVX512-BF16) only at whole slices, which is all the engine reuses there."""
+    m = _lite(serve_art, 2, kv_dtype=kv)
+    s = m.session
+    ids = m.tokenizer.encode(PROMPTS[3] * 2)[:150]
+    whole = s.prefill(ids, 0, kvoff=0, chunk=64, last_only=False)
+    grid = 64 if s.lib.sq_prefill_bf16() else 1
+    cuts = sorted({c // grid * grid for c in (1, 7, 33, 64, 100, 128, 149)} - {0})
+    assert cuts
+    for cut in cuts:
+        s.prefill(ids[:cut], 0, kvoff=m.slot_elems, chunk=64)
+        rest = s.prefill(ids[cut:], cut, kvoff=m.slot_elems, chunk=64, last_only=False)
+        assert np.array_equal(rest, whole[cut:]), cut
+
+
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_prefix_cache_reuses_prompt_positions_and_changes_no_answer(serve_art, kernel_build):
+    """A repeated prompt, one that extends it, an unrelated one, a seeded sample and a shorter
+    prefix through an engine with the prefix cache and one without: the same tokens; the reused
+    counts are what the slots' kept prompts allow (never the decoded positions, never the prompt's
+    last token), a newcomer with nothing to reuse takes the least recently used slot."""
+    on = _engine(serve_art, slots=2, prefill_slice=16)
+    off = _engine(serve_art, slots=2, prefill_slice=16, prefix_cache=False)
+    try:
+        tok = on.tok
+        base = tok.encode(PROMPTS[3])  # 90 tokens
+        more = base + tok.encode(" and then")
+        answer = off.generate(base, 12, ignore_eos=True)["ids"]
+        # a client resending the conversation: the prompt, its answer (decoded, not kept), a new turn
+        follow = base + answer + tok.encode(" ok")
+        seq = [(base, {}), (base, {}), (follow, {}), (more, {}), (tok.encode("zz top"), {}),
+               (base, {"temperature": 0.9, "seed": 3}), (base[:50], {}), (tok.encode("zz top and"), {})]
+        a = [on.generate(ids, 12, ignore_eos=True, **kw) for ids, kw in seq]
+        b = [off.generate(ids, 12, ignore_eos=True, **kw) for ids, kw in seq]
+        assert [x["ids"] for x in a] == [x["ids"] for x in b] and all(len(x["ids"]) == 12 for x in a)
+        assert a[0]["ids"] == answer
+        g = on.reuse_grid
+        assert g == (16 if on.session.lib.sq_prefill_bf16() else 1)
+        snap = lambda n: n // g * g  # noqa: E731
+        # 1: nothing kept; 2: all but the last token; 3: the kept prompt, not the answer the decode
+        # steps wrote after it; 4: the 90 of base (the slot now keeps `follow`); 5: nothing in
+        # common, so the other (least recently used) slot; 6: slot 1 kept `more`; 7: 49 of its 50;
+        # 8: "zz top" from slot 2 (slot 1 holds base[:50])
+        want = [0, snap(89), snap(90), snap(90), 0, snap(89), snap(49), snap(len(tok.encode("zz top")))]
+        assert [x["cached_tokens"] for x in a] == want
+        assert [x["cached_tokens"] for x in b] == [0] * len(seq) and off.stats["cached"] == 0
+        total = sum(len(ids) for ids, _ in seq)
+        assert on.stats["cached"] == sum(want) and on.stats["prefilled"] == total - sum(want)
+        assert off.stats["prefilled"] == total + len(base)
+    finally:
+        on.close()
+        off.close()
+
+
 def test_batch_invariance_on_the_example(example_art):
     """Real text: greedy answers of the example alone and four at a time, token for token."""
     from sparkq.runtime.lite import load
@@ -229,6 +288,8 @@ def test_openai_client_chat_and_completions_stream_and_not(api):
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12)
     assert r.choices[0].message.content == ref["text"] and r.choices[0].finish_reason == ref["finish"]
     assert r.usage.prompt_tokens == len(e.tok.encode_chat(msgs)) and r.usage.completion_tokens == len(ref["ids"])
+    n = r.usage.prompt_tokens  # the same prompt again: the slot kept it (the prefix cache)
+    assert r.usage.prompt_tokens_details.cached_tokens == (n - 1) // e.reuse_grid * e.reuse_grid
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=12, stream=True,
                                             stream_options={"include_usage": True}))

@@ -4,7 +4,7 @@
  * best and mean of REPS passes and the weight bytes per second.
  *
  *   gcc -O3 -std=c11 -march=native -fopenmp -I runtime/core/csrc tools/gemvbench.c -o /tmp/gemvbench -lm
- *   OMP_NUM_THREADS=2 /tmp/gemvbench [K 2048] [N 12288] [G 128] [M 4] [copies 8] [reps 10]
+ *   OMP_NUM_THREADS=2 /tmp/gemvbench [K 2048] [N 12288] [G 128] [M 4] [copies 8] [reps 10] [lut4 0]
  *
  * Add -mno-avx512f for the avx2 build; compile against another checkout's csrc (-I) to compare. */
 #define _POSIX_C_SOURCE 199309L
@@ -19,10 +19,10 @@ static double now(void) {
 }
 
 int main(int argc, char **argv) {
-    const int64_t d[6] = {2048, 12288, 128, 4, 8, 10};
-    int64_t v[6];
-    for (int i = 0; i < 6; i++) v[i] = argc > i + 1 ? atoll(argv[i + 1]) : d[i];
-    const int64_t K = v[0], N = v[1], G = v[2], M = v[3], copies = v[4], reps = v[5];
+    const int64_t d[7] = {2048, 12288, 128, 4, 8, 10, 0};
+    int64_t v[7];
+    for (int i = 0; i < 7; i++) v[i] = argc > i + 1 ? atoll(argv[i + 1]) : d[i];
+    const int64_t K = v[0], N = v[1], G = v[2], M = v[3], copies = v[4], reps = v[5], lut = v[6];
     if (K % G || G % 32 || M < 1 || copies < 1) {
         fprintf(stderr, "need K a multiple of G, G a multiple of 32, M >= 1, copies >= 1\n");
         return 2;
@@ -37,7 +37,13 @@ int main(int argc, char **argv) {
             sz[2 * i] = to_bf(0.01f * (1 + rand() % 7));
             sz[2 * i + 1] = to_bf(-0.001f * (rand() % 5));
         }
-        L[c] = (sq_linear){.q = q, .sz = sz, .kind = KIND_INT4, .n = N, .k = K, .g = G};
+        int8_t *lv = NULL;
+        if (lut) { /* lut4: 16 ascending levels per row, spanning most of the int8 range */
+            lv = malloc(16 * N);
+            for (int64_t n = 0; n < N; n++)
+                for (int j = 0; j < 16; j++) lv[16 * n + j] = (int8_t)(-120 + 16 * j + rand() % 8);
+        }
+        L[c] = (sq_linear){.q = q, .sz = sz, .lut = lv, .kind = lut ? KIND_LUT4 : KIND_INT4, .n = N, .k = K, .g = G};
     }
     sq_act *a = acts_new(M, K);
     float *x = malloc(sizeof(float) * K * M), *Y = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * N);
@@ -63,9 +69,9 @@ int main(int argc, char **argv) {
         differ += memcmp(y1, Y + t * N, sizeof(float) * N) != 0;
     }
     const double bytes = (double)copies * N * K / 2;
-    printf("K=%lld N=%lld g=%lld M=%lld copies=%lld: best %.2f ms (%.1f GB/s), mean %.2f ms, check %.9g, "
+    printf("%sK=%lld N=%lld g=%lld M=%lld copies=%lld: best %.2f ms (%.1f GB/s), mean %.2f ms, check %.9g, "
            "tokens unlike alone %lld\n",
-           (long long)K, (long long)N, (long long)G, (long long)M, (long long)copies, best * 1e3, bytes / best / 1e9,
+           lut ? "lut4 " : "", (long long)K, (long long)N, (long long)G, (long long)M, (long long)copies, best * 1e3, bytes / best / 1e9,
            tot / reps * 1e3, Y[0] + Y[N - 1], (long long)differ);
     return 0;
 }
