@@ -87,8 +87,7 @@ class Engine:
         self.prefix_cache = bool(prefix_cache)
         self.kept: list[tuple[list[int], int]] = [([], 0)] * self.parallel
         self.last_used, self.tick = [0] * self.parallel, 0
-        lib = getattr(self.session, "lib", None)
-        self.reuse_grid = self.prefill_slice if lib is not None and lib.sq_prefill_bf16() else 1
+        self.reuse_grid = self.prefill_slice if self.session.lib.sq_prefill_bf16() else 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in a slot: prefilling (filled < len(ids)) or decoding
         self.cv = threading.Condition()
