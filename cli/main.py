@@ -99,6 +99,8 @@ def convert(
     kind: Optional[str] = typer.Option(None, "--kind", help="every body linear's 4-bit codes: int4 (uniform grid) or lut4 "
                                        "(a 16-level grid learned per row; rows32 only); no --bpw budget"),
     head: Optional[str] = typer.Option(None, "--head", help="lm_head/embedding as int4 | lut4 | int8 | bf16 | split (int4 + 4-bit residual: the decode step reads half an int8 head; default: recipe)"),
+    head_rows: Optional[float] = typer.Option(None, "--head-rows", help="with --head split: the share of lm_head's rows "
+                                              "that get the second plane, the most probable tokens' (e.g. 0.0625; default: all)"),
     key_scaling: bool = typer.Option(True, "--key-scaling/--no-key-scaling", help="move powers of two from the keys' "
                                      "large channels onto the queries' (the same q.k; flatter rows for the int8 KV cache)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
@@ -117,7 +119,7 @@ def convert(
 
     s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json), head,
                                                    calib, calib_tokens, kind, "auto" if bpw is None else bpw,
-                                                   key_scaling))
+                                                   key_scaling, head_rows))
     if push_to_hub:
         from sparkq.convert.publish import upload as do_upload
         s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision, base_model=base_model)

@@ -33,6 +33,7 @@ from sparkq.formats.manifest import encoding_label
 from sparkq.formats.spec import linear_tensors, role_of
 
 from .calib import gram
+from .headrows import SHARES, coverage, mean_probability, share_rows
 from .lut import fit_lut
 from .gptq import gptq_factor, gptq_int4, gptq_rows
 from .quantize import quantize_int8_rows, quantize_residual, quantize_rows
@@ -56,10 +57,11 @@ class Choice:
     kind: str
     group_size: int | None
     residual: bool = False
+    share: float | None = None  # a partial split head: the fraction of rows with the second plane (headrows.py)
 
     @property
     def label(self) -> str:
-        return encoding_label(self.kind, self.group_size, self.residual)
+        return encoding_label(self.kind, self.group_size, self.residual, self.share)
 
 
 def candidates(role: str, k: int) -> list[Choice]:
@@ -79,8 +81,9 @@ def candidates(role: str, k: int) -> list[Choice]:
 
 
 def choice_bytes(name: str, n: int, k: int, c: Choice) -> int:
+    m = None if c.share is None else share_rows(c.share, n)
     return sum(C.DTYPE_BYTES[dt] * int(torch.Size(shp).numel())
-               for dt, shp in linear_tensors(name, c.kind, n, k, c.group_size, c.residual).values())
+               for dt, shp in linear_tensors(name, c.kind, n, k, c.group_size, c.residual, m).values())
 
 
 def _rtn(w: torch.Tensor, imp: torch.Tensor, c: Choice) -> torch.Tensor:
@@ -218,8 +221,30 @@ def allocate(options: dict[str, list[tuple[int, float, Choice]]], budget_bytes: 
     return {n: hulls[n][at[n]][2] for n in hulls}
 
 
-def _options(lin, w: torch.Tensor, x: torch.Tensor | None):
-    """[(bytes, damage, choice)] of one linear from its sampled rows w and calibration inputs x."""
+def _partial_splits(lin, out: list, importance) -> list:
+    """A head's partial splits (headrows.py): at each share of its rows, the damage of the int4
+    first plane alone where the second plane is missing and of the split where it is, weighted
+    by the share of the gain those rows are estimated to cover (headrows.coverage)."""
+    imp = importance[0] + importance[1]
+    by = {(c.kind, c.group_size, c.residual): d for _, d, c in out}
+    extra = []
+    for g in sorted({c.group_size for _, _, c in out if c.residual}):
+        d0, d1 = by.get((C.KIND_INT4, g, False)), by[(C.KIND_INT4, g, True)]
+        if d0 is None:
+            continue
+        for s in SHARES:
+            m = share_rows(s, lin.n)
+            if m >= lin.n:
+                continue
+            cov = coverage(imp, m)
+            c = Choice(C.KIND_INT4, g, True, s)
+            extra.append((choice_bytes(lin.name, lin.n, lin.k, c), d0 * (1 - cov) + d1 * cov, c))
+    return extra
+
+
+def _options(lin, w: torch.Tensor, x: torch.Tensor | None, importance=None):
+    """[(bytes, damage, choice)] of one linear from its sampled rows w and calibration inputs x
+    (and for a head, its rows' held-out probability: the partial splits)."""
     role = role_of(lin.name)
     cols = sample_cols(lin.k)
     if len(cols) < lin.k:
@@ -239,6 +264,8 @@ def _options(lin, w: torch.Tensor, x: torch.Tensor | None):
         if c.kind != C.KIND_INT8 and c.group_size > len(cols):
             continue
         out.append((choice_bytes(lin.name, lin.n, lin.k, c), relative_error(w, imp, c, h, factor), c))
+    if importance is not None:
+        out += _partial_splits(lin, out, importance)
     return out
 
 
@@ -251,10 +278,14 @@ def _forward_weight(w: torch.Tensor) -> torch.Tensor:
     return w.to(torch.bfloat16) if prefill_dtype() == torch.bfloat16 else w.float()
 
 
-def probe(source, spec, srcs, linears, ids, read_rows, bar=None) -> tuple[dict[str, list], dict[str, float]]:
+def probe(source, spec, srcs, linears, ids, read_rows, bar=None, head_importance: dict | None = None,
+          partial_head: bool = True) -> tuple[dict[str, list], dict[str, float]]:
     """Each linear's candidates [(bytes, damage, choice)] and the residual gains, from a forward of the unquantized model
     over ids (None: no calibration; damage from the weights alone). ``read_rows(lin, r0, r1)``
-    reads a linear's fused source rows. The gains are known once the forward reached the head."""
+    reads a linear's fused source rows. The gains are known once the forward reached the head.
+    With calibration, the head's rows' mean probabilities on the two halves of the tokens go
+    into ``head_importance`` (name -> (fit, held)) and, with ``partial_head``, its candidates gain
+    partial splits."""
     from .calib import Calibration
 
     cal = Calibration(source, spec, srcs, ids) if ids is not None else None
@@ -266,7 +297,12 @@ def probe(source, spec, srcs, linears, ids, read_rows, bar=None) -> tuple[dict[s
         w = torch.cat([read_rows(lin, int(r), int(r) + 1) for r in rows]).float() if len(rows) < lin.n \
             else read_rows(lin, 0, lin.n).float()
         x = cal.inputs(lin.name) if cal is not None and lin.name != C.ROLE_EMBED else None
-        options[lin.name] = _options(lin, w, x)
+        imp = None
+        if partial_head and x is not None and lin.name == C.ROLE_LM_HEAD and lin.k % 32 == 0:
+            imp = mean_probability(x, lambda r0, r1: _forward_weight(read_rows(lin, r0, r1)), lin.n)
+            if head_importance is not None:
+                head_importance[lin.name] = imp
+        options[lin.name] = _options(lin, w, x, imp)
         if cal is not None and role_of(lin.name) in C.LAYER_LINEARS:
             cal.advance(lin.name, _forward_weight(read_rows(lin, 0, lin.n)))
         if bar is not None:
@@ -294,7 +330,8 @@ def spend(linears, budget_bytes: int, options: dict[str, list]) -> tuple[list, d
     for lin in linears:
         c = chosen.get(lin.name)
         if c is not None:
-            lin = replace(lin, kind=c.kind, group_size=c.group_size, residual=c.residual)
+            lin = replace(lin, kind=c.kind, group_size=c.group_size, residual=c.residual,
+                          residual_rows=None if c.share is None else share_rows(c.share, lin.n))
             est = next(d for b, d, cc in options[lin.name] if cc == c)
             report[lin.name] = {"choice": c.label, "damage_estimate": est}
         out.append(lin)

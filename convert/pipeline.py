@@ -32,6 +32,7 @@ from .gptq import _lib, gptq_factor, gptq_int4, gptq_rows
 from .lut import fit_lut
 from .quantize import CALIBRATED, METHODS, quantize_int8_rows, quantize_residual, quantize_rows
 from .keyscale import ScaledSource
+from .headrows import mean_probability, row_map, share_rows, top_rows
 from .source import Source, open_source, read_fused_rows as _read_fused_rows
 
 KEY_PREPASS_TOKENS = 256  # uncalibrated conversions: the key ranges' window (its activations are the pass's memory)
@@ -48,6 +49,11 @@ BODY_KINDS = ("int4", "lut4")  # --kind
 # where the tied head is a fifth of the weights and a bit buys more (SmolLM2-135M: KL 0.035 at 5.0,
 # 0.10 at 4.65) while the file stays small (84 MB)
 DEFAULT_BPW, DEFAULT_BPW_SMALL, SMALL_PARAMS = 4.55, 5.0, 1_000_000_000
+# The budget offers partial split heads (convert/headrows.py) from SMALL_PARAMS up: Qwen2.5-Coder-1.5B
+# at 4.55, KL 0.0302 -> 0.0270 (head: int4 g128 + the second plane on 6.2% of rows); on the 135M
+# example the budget paid for one with 29 linears at g64 instead of g32 and KL rose 0.034 -> 0.048
+# (its per-linear estimates undercount g32 -> g64 there, ~10x against the head's: docs/quality.md
+# "Partial split head"), so below it the head's candidates stay whole
 
 
 def default_bpw(params: int) -> float:
@@ -73,6 +79,9 @@ class Options:
     # powers of two moved from the keys' large channels onto the queries' (convert/keyscale.py):
     # the same q.k, flatter rows for the int8 KV cache
     key_scaling: bool = True
+    # --head split only: the share of lm_head's rows that get the second plane (a partial split,
+    # convert/headrows.py: the rows of the most probable tokens on the calibration text); None: all
+    head_rows: float | None = None
 
 
 def _target_layout(target: str) -> str:
@@ -121,6 +130,14 @@ def plan(source: Source, opts: Options):
         raise ConvertError("lut4 (--kind / --head) is read by the C core only: convert with --target rows32")
     if opts.method not in (*METHODS, "auto"):
         raise ConvertError(f"unknown --method {opts.method!r}; choose auto or one of {', '.join(METHODS)}")
+    if opts.head_rows is not None:
+        if opts.head != "split":
+            raise ConvertError("--head-rows is the share of a split head's rows with the second plane: add --head split")
+        if not 0.0 < opts.head_rows <= 1.0:
+            raise ConvertError(f"--head-rows {opts.head_rows}: give a share of the rows in (0, 1], e.g. 0.0625")
+        if opts.method not in CALIBRATED:
+            raise ConvertError("--head-rows picks the rows by the tokens' probability on the calibration text: "
+                               "use --method gptq (or auto with a tokenizer), or drop --head-rows")
     srcs = recipe.source_names(spec)
     for module, names in srcs.items():
         for n in names:
@@ -147,7 +164,9 @@ def plan(source: Source, opts: Options):
         split = head == "split" and g is not None  # (a head with no int4 group size stays bf16, as with int4)
         lut = (head == C.KIND_LUT4 or not head and role not in C.HEAD_ROLES and opts.kind == C.KIND_LUT4) and k % 32 == 0
         kind = C.KIND_INT8 if int8 else (C.KIND_LUT4 if lut else C.KIND_INT4) if g else C.KIND_BF16
-        linears.append(LinearEntry(name, kind, n, k, None if int8 else g, parts, residual=split))
+        rrows = share_rows(opts.head_rows, n) if split and opts.head_rows is not None and name == C.ROLE_LM_HEAD else None
+        linears.append(LinearEntry(name, kind, n, k, None if int8 else g, parts, residual=split,
+                                   residual_rows=rrows if rrows is not None and rrows < n else None))
     vectors = spec.vector_shapes()
     for name, shape in vectors.items():
         got = sum(source.shapes[p][0] for p in srcs[name] if len(source.shapes[p]) == 1)
@@ -169,7 +188,8 @@ def _ordered_entries(linears: list[LinearEntry], vectors: dict, spec: ModelSpec)
     for item in order:
         if item in by_name:
             l = by_name[item]
-            for t, (dt, shp) in linear_tensors(l.name, l.kind, l.n, l.k, l.group_size, l.residual).items():
+            for t, (dt, shp) in linear_tensors(l.name, l.kind, l.n, l.k, l.group_size, l.residual,
+                                               l.residual_rows).items():
                 entries.append((t, dt, shp))
         else:
             entries.append((item, C.DTYPE_BF16, vectors[item]))
@@ -178,12 +198,13 @@ def _ordered_entries(linears: list[LinearEntry], vectors: dict, spec: ModelSpec)
 
 def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: LinearEntry, layout: str,
                   method: str, bar, hessian: torch.Tensor | None = None,
-                  keep_deq: bool = True) -> tuple[float, torch.Tensor | None]:
+                  keep_deq: bool = True, importance=None) -> tuple[float, torch.Tensor | None]:
     """Quantize, pack and write one linear. With a calibration ``hessian`` (gptq) it also
     returns the weight the calibration moves on through: the packed ``CoreLinear`` (rows32 with
     the C core loaded), else the dequantized float32 [N, K]
     (``keep_deq=False`` for the head, which ends the forward: at a 152k vocabulary that buffer
-    alone is 1.2 GB)."""
+    alone is 1.2 GB). A partial split (``lin.residual_rows`` < N) gives its second plane to the
+    rows of the largest ``importance`` (convert/headrows.py; without it, the first rows)."""
     part_rows = spec.part_rows(lin.name)
     lay = get_layout(layout)
     chunk = max(lay.block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
@@ -232,9 +253,14 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     # one preallocated scales/zeros tensor, filled per block: retaining many small per-block
     # tensors between large transient ones fragments the heap (measured: +2.3 GB on a 152k vocab)
     sz_all = torch.empty(lin.k // lin.group_size, lin.n, 2, dtype=torch.bfloat16)
+    keep = None  # a partial split: the rows that keep their second plane
     if lin.residual:  # the second plane, written after the first (rows32 bytes, formats/constants.py)
         res_all = np.empty(lin.n * lin.k // 2, dtype=np.uint8)
         rs_all = torch.empty(lin.n, lin.k // lin.group_size, dtype=torch.bfloat16)
+        if lin.residual_rows is not None and lin.residual_rows < lin.n:
+            imp = np.zeros(lin.n) if importance is None else importance[0] + importance[1]
+            keep = np.zeros(lin.n, dtype=bool)
+            keep[top_rows(imp, lin.residual_rows)] = True
     packed = np.empty(lin.n * lin.k // 2, dtype=np.uint8) if core is not None else None
     factor = None
     if hessian is not None:
@@ -254,8 +280,14 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         else:
             codes, sz, e, rf = quantize_rows(rows, lin.group_size, method)
         if lin.residual:  # error of the stored weight (both planes)
-            rq, rs, e, rf = quantize_residual(rows, dequantize_codes(codes, sz, lin.group_size, torch.float32),
-                                              lin.group_size)
+            d = dequantize_codes(codes, sz, lin.group_size, torch.float32)
+            rq, rs, e, rf = quantize_residual(rows, d, lin.group_size)
+            if keep is not None and not keep[r0:r1].all():  # rows without the plane: their first plane's error
+                out = ~torch.from_numpy(keep[r0:r1])
+                e += float(((rows[out] - d[out]) ** 2).sum(dtype=torch.float64)) - float(
+                    ((rows[out] - d[out] - (rq[out].float() - 8.0) * rs[out].float().repeat_interleave(lin.group_size, 1))
+                     ** 2).sum(dtype=torch.float64))
+            del d
             res_all[r0 * lin.k // 2: r1 * lin.k // 2] = pack_rows(rq.numpy(), get_layout(ROWS32), lin.n)
             rs_all[r0:r1] = rs
         err += e
@@ -271,9 +303,14 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     w.put(f"{lin.name}.scales_zeros", sz_all.view(torch.uint8).numpy())
     bar.update(sz_all.numel() * 2)
     if lin.residual:
+        if keep is not None:  # the covered rows, in row order, and the map to them
+            res_all = res_all.reshape(lin.n, lin.k // 2)[keep].reshape(-1)
+            rs_all = rs_all[torch.from_numpy(keep)]
         w.put(f"{lin.name}.residual", res_all)
         w.put(f"{lin.name}.residual_scales", rs_all.view(torch.uint8).numpy())
         bar.update(res_all.size + rs_all.numel() * 2)
+        if keep is not None:
+            w.put(f"{lin.name}.residual_map", row_map(np.flatnonzero(keep), lin.n).view(np.uint8))
     if packed is not None:  # (products read the first plane only, as the runtime's)
         deq = CoreLinear(core, C.KIND_INT4, lin.n, lin.k, packed, sz_all, lin.group_size)
     return ((err / ref) ** 0.5 if ref > 0 else 0.0), deq
@@ -347,8 +384,10 @@ def _spend_budget(source: Source, spec: ModelSpec, srcs: dict, linears: list[Lin
                    + ("" if probe_ids is None else f", on {probe_ids.numel()} calibration tokens"), file=sys.stderr)
     fixed = sum(2 * s[0] for s in vectors.values()) + 128 * (4 * len(linears) + len(vectors))  # vectors, alignment, header
     budget = int(float(opts.bpw) * params / 8) - fixed
+    head_imp: dict = {}
     with tqdm(total=len(linears), desc="budget", disable=not opts.progress, leave=False) as bar:
-        options, _ = B.probe(source, spec, srcs, linears, probe_ids, read, bar)
+        options, _ = B.probe(source, spec, srcs, linears, probe_ids, read, bar, head_imp,
+                             partial_head=params >= SMALL_PARAMS)
     try:
         linears, report = B.spend(linears, budget, options)
     except B.BudgetError as e:
@@ -356,7 +395,7 @@ def _spend_budget(source: Source, spec: ModelSpec, srcs: dict, linears: list[Lin
         raise ConvertError(f"--bpw {opts.bpw} is below the smallest encoding of this model "
                            f"({least:.2f} bits/weight); raise --bpw") from None
     return linears, {"bpw": float(opts.bpw), "probe_tokens": 0 if ids is None else int(probe_ids.numel()),
-                     "seconds": time.perf_counter() - t0, "mix": B.mix(linears), "linears": report}
+                     "seconds": time.perf_counter() - t0, "mix": B.mix(linears), "linears": report}, head_imp
 
 
 def _carry_files(source: Source, tmp: Path) -> list[str]:
@@ -456,6 +495,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
             layout = _target_layout(opts.target)
             recipe, spec, linears, vectors, srcs = plan(source, opts)
             ids = cal_info = budget_info = None
+            head_imp: dict = {}  # the head's rows' mean probabilities (a partial split's rows), from the probe
             if opts.method in CALIBRATED:
                 from .calib import calibration_ids
 
@@ -463,7 +503,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     raise ConvertError("--calib-tokens must be >= 1")
                 ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
             if opts.bpw is not None:
-                linears, budget_info = _spend_budget(source, spec, srcs, linears, vectors, ids, opts)
+                linears, budget_info, head_imp = _spend_budget(source, spec, srcs, linears, vectors, ids, opts)
             for lin in linears:
                 if lin.kind == C.KIND_INT4:
                     try:
@@ -514,8 +554,18 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             hbox = [cal.hessian(item), lambda item=item: cal.hessian(item)] if calibrated else None
                             cal_s += time.perf_counter() - tc
                             try:
-                                errors[item], deq = _write_linear(w, source, spec, by_name[item], layout, opts.method,
-                                                                  bar, hbox, keep_deq=role_of(item) != C.ROLE_LM_HEAD)
+                                lin = by_name[item]
+                                if lin.residual_rows is not None and item not in head_imp and calibrated:
+                                    # --head-rows without the budget's probe: the rows' probabilities
+                                    # on the calibration tokens (the head's inputs are here)
+                                    tc = time.perf_counter()
+                                    head_imp[item] = mean_probability(cal.inputs(item), lambda r0, r1, lin=lin: (
+                                        _read_fused_rows(source, lin.sources, spec.part_rows(item), r0, r1).float()),
+                                        lin.n, halves=False)
+                                    cal_s += time.perf_counter() - tc
+                                errors[item], deq = _write_linear(w, source, spec, lin, layout, opts.method,
+                                                                  bar, hbox, keep_deq=role_of(item) != C.ROLE_LM_HEAD,
+                                                                  importance=head_imp.get(item))
                             except LayoutError as e:
                                 raise ConvertError(f"{item}: {e}") from None
                             if calibrated:

@@ -138,7 +138,7 @@ class Artifact:
             if (e.n, e.k) != (n, k):
                 raise ArtifactError(f"{path}: linear {name!r} is {e.n}x{e.k} in the manifest but the config needs {n}x{k}")
             try:
-                expected.update(linear_tensors(name, e.kind, n, k, g, e.residual))
+                expected.update(linear_tensors(name, e.kind, n, k, g, e.residual, e.residual_rows))
             except SpecError as err:
                 raise ArtifactError(f"{path}: {err}") from None
             linears[name] = e
@@ -197,6 +197,7 @@ class Artifact:
             dt = TORCH_DTYPES[t.dtype]
             view = flat[t.start:t.start + t.nbytes]
             out[name] = view.view(dt).view(t.shape) if t.nbytes else torch.empty(t.shape, dtype=dt)
+        self._check_residual_maps({n: v.numpy() for n, v in out.items() if n.endswith(".residual_map")})
         return out
 
     def map_numpy(self) -> dict[str, np.ndarray]:
@@ -210,7 +211,22 @@ class Artifact:
                 continue
             dt = NUMPY_DTYPES[t.dtype]
             out[name] = flat[t.start:t.start + t.nbytes].view(dt).reshape(t.shape) if t.nbytes else np.empty(t.shape, dt)
+        self._check_residual_maps(out)
         return out
+
+    def _check_residual_maps(self, tensors: dict) -> None:
+        """A partial split's row map (constants.py) names each covered row's plane row once, in
+        ascending order, and -1 elsewhere: the kernels index the planes with it, so a map that
+        points outside them is refused here, not read."""
+        for lin in self.linears.values():
+            if lin.residual_rows is None or lin.residual_rows == lin.n:
+                continue
+            name = f"{lin.name}.residual_map"
+            mp = np.asarray(tensors[name])
+            got = mp[mp >= 0]
+            if (mp < -1).any() or got.size != lin.residual_rows or not np.array_equal(got, np.arange(got.size)):
+                raise ArtifactError(f"{self.path}: tensor {name!r} is not a row map of {lin.residual_rows} rows "
+                                    "(constants.py); the artifact is corrupt, re-convert or re-download it")
 
     def verify(self, progress=None) -> str | None:
         """Recompute every tensor digest; returns the first mismatching tensor name or None."""
@@ -245,7 +261,7 @@ class Artifact:
             e = encodings.setdefault(lin.role, {})
             e[lin.encoding] = e.get(lin.encoding, 0) + 1
             b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size,
-                                                                  lin.residual))
+                                                                  lin.residual, lin.residual_rows))
             roles[lin.role] = roles.get(lin.role, 0) + b
             key = (f"g{lin.group_size}" + ("+residual" if lin.residual else "") + ("/lut4" if lin.kind == C.KIND_LUT4 else "")) \
                 if lin.group_size else lin.kind
@@ -273,7 +289,9 @@ class Artifact:
             "bits_per_weight_linears": 8 * q_bytes / q_params,
             "key_scaling": _key_scaling_summary(self.manifest.key_scaling),
             "linears": {n: {"kind": l.kind, "n": l.n, "k": l.k, "group_size": l.group_size, "rel_error": l.rel_error,
-                            **({"residual": True} if l.residual else {})} for n, l in self.linears.items()},
+                            **({"residual": True} if l.residual else {}),
+                            **({"residual_rows": l.residual_rows} if l.residual_rows is not None else {})}
+                        for n, l in self.linears.items()},
         }
 
 

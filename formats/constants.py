@@ -23,6 +23,7 @@ Tensor names (``L`` is the layer index)::
     <linear>.bias           bf16  [N]
     <linear>.residual       uint8 [N, K/2]      a split head's 4-bit residual codes (rows32 bytes, see below)
     <linear>.residual_scales bf16 [N, K/g]      their per-group scales
+    <linear>.residual_map   int32 [N]           a partial split: each row's row of the two above, or -1
     <linear>.levels         int8  [N, 16]       a lut4 linear's per-row levels (see below)
 
     linears: layers.L.qkv (q|k|v rows), layers.L.o, layers.L.gate_up (gate|up rows),
@@ -55,6 +56,12 @@ is an ordinary int4 linear. The runtime's head product reads only the first plan
 the bytes of an int8 head) and recomputes the ``REFINE_SPLIT`` largest logits of every
 position from both planes (runtime/common.py), so the logits that carry the probability
 mass have the stored weight's precision.
+
+A *partial* split (``"residual_rows": M`` in the manifest, M < N) stores the second plane for M
+rows only: ``residual`` [M, K/2] and ``residual_scales`` [M, K/g] hold them in ascending row
+order, and ``residual_map`` int32 [N] gives each row its row there, or -1 for a row that is its
+first plane alone. The converter gives the plane to the rows that carry the probability mass
+(the head's tokens by their mean probability on the calibration text: convert/headrows.py).
 """
 
 FORMAT_NAME = "sparkq"
@@ -95,5 +102,6 @@ KIND_BF16 = "bf16"
 DTYPE_U8 = "U8"
 DTYPE_I8 = "I8"
 DTYPE_BF16 = "BF16"
+DTYPE_I32 = "I32"
 DTYPE_BYTES = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I8": 1, "I32": 4, "F64": 8,
                "I64": 8, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}

@@ -243,11 +243,19 @@ def dequantize_codes_lut(codes: torch.Tensor, scales_zeros: torch.Tensor, levels
 
 
 def residual_rows(residual: torch.Tensor, rscales: torch.Tensor, n: int, k: int, group_size: int,
-                  rows: torch.Tensor) -> torch.Tensor:
+                  rows: torch.Tensor, rmap: torch.Tensor | None = None) -> torch.Tensor:
     """A split linear's second plane for the given rows (constants.py): ``(r - 8) * rscale``,
-    float32 ``[len(rows), K]``; ``residual`` is rows32 bytes ``[N, K/2]``, ``rscales`` bf16 ``[N, K/g]``."""
+    float32 ``[len(rows), K]``; ``residual`` is rows32 bytes ``[M, K/2]``, ``rscales`` bf16 ``[M, K/g]``
+    (M = N, or a partial split's M rows with ``rmap`` int32 [N]: rows it maps to -1 get zeros)."""
     ids = rows.to(torch.int64)
-    r = _unpack_rows32(residual.reshape(n, k // 2)[ids], ids.numel(), k).to(torch.float32)
+    if rmap is not None:
+        ids = rmap[ids].to(torch.int64)
+        out = torch.zeros(ids.numel(), k)
+        have = ids >= 0
+        if have.any():
+            out[have] = residual_rows(residual, rscales, residual.shape[0], k, group_size, ids[have])
+        return out
+    r = _unpack_rows32(residual.reshape(-1, k // 2)[ids], ids.numel(), k).to(torch.float32)
     s = rscales[ids].to(torch.float32)
     return ((r.view(-1, k // group_size, group_size) - 8.0) * s[..., None]).view(-1, k)
 

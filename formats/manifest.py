@@ -30,10 +30,12 @@ class ManifestError(ValueError):
     """A manifest that is not what this format says (the reader turns it into ArtifactError)."""
 
 
-def encoding_label(kind: str, group_size: int | None, residual: bool = False) -> str:
+def encoding_label(kind: str, group_size: int | None, residual: bool = False, share: float | None = None) -> str:
+    """share: the fraction of rows a partial split's second plane covers (None: all)."""
     if kind in (C.KIND_INT8, C.KIND_BF16):
         return kind
-    return f"{kind} g{group_size}" + (" + residual" if residual else "")
+    part = "" if share is None else f" on {share:.1%} of rows"
+    return f"{kind} g{group_size}" + (f" + residual{part}" if residual else "")
 
 
 @dataclass
@@ -49,6 +51,7 @@ class LinearEntry:
     sources: list = field(default_factory=list)
     rel_error: float | None = None
     residual: bool = False
+    residual_rows: int | None = None  # a partial split: the rows its second plane covers (None: all N)
 
     @property
     def role(self) -> str:
@@ -58,13 +61,16 @@ class LinearEntry:
     def encoding(self) -> str:
         """How the weights are stored, as inspect and --bpw name it: "lut4 g64", "int4 g128 +
         residual", "int8", "bf16"."""
-        return encoding_label(self.kind, self.group_size, self.residual)
+        return encoding_label(self.kind, self.group_size, self.residual,
+                              None if self.residual_rows is None else self.residual_rows / self.n)
 
     def to_json(self) -> dict:
         d = {"role": self.role, "kind": self.kind, "n": self.n, "k": self.k, "group_size": self.group_size,
              "sources": self.sources, "rel_error": None if self.rel_error is None else round(self.rel_error, 6)}
         if self.residual:
             d["residual"] = True
+        if self.residual_rows is not None:
+            d["residual_rows"] = self.residual_rows
         return d
 
     @classmethod
@@ -72,13 +78,15 @@ class LinearEntry:
         if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_LUT4, C.KIND_INT8, C.KIND_BF16) \
                 or type(e.get("n")) is not int or type(e.get("k")) is not int \
                 or not (e.get("group_size") is None or type(e.get("group_size")) is int) \
-                or not isinstance(e.get("sources", []), list) or type(e.get("residual", False)) is not bool:
+                or not isinstance(e.get("sources", []), list) or type(e.get("residual", False)) is not bool \
+                or not (e.get("residual_rows") is None or type(e.get("residual_rows")) is int):
             raise ManifestError(f"field 'linears.{name}' must be {{kind: int4|lut4|int8|bf16, n: int, k: int, "
-                                "group_size: int|null, sources: list, residual: bool (optional)}")
+                                "group_size: int|null, sources: list, residual: bool, residual_rows: int (optional)}")
         rel = e.get("rel_error")
         grouped = e["kind"] in (C.KIND_INT4, C.KIND_LUT4)
         return cls(name, e["kind"], e["n"], e["k"], e["group_size"] if grouped else None,
-                   list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None, e.get("residual", False))
+                   list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None, e.get("residual", False),
+                   e.get("residual_rows"))
 
 
 def group_sizes(linears) -> list[int]:

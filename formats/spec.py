@@ -379,10 +379,11 @@ def role_of(linear_name: str) -> str:
 
 
 def linear_tensors(name: str, kind: str, n: int, k: int, group_size: int | None,
-                   residual: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+                   residual: bool = False, residual_rows: int | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Tensor name -> (safetensors dtype, shape) of one linear in the artifact (``residual``: a
-    split int4 linear's second plane, constants.py)."""
-    if residual and kind != C.KIND_INT4:
+    split int4 linear's second plane, for ``residual_rows`` of its rows when fewer than N: a
+    partial split with its row map, constants.py)."""
+    if (residual or residual_rows is not None) and kind != C.KIND_INT4:
         raise SpecError(f"{name}: only an int4 linear can have a residual plane, not {kind}")
     if kind == C.KIND_INT4:
         if group_size not in C.GROUP_SIZES or k % group_size:
@@ -394,8 +395,15 @@ def linear_tensors(name: str, kind: str, n: int, k: int, group_size: int | None,
             f"{name}.scales_zeros": (C.DTYPE_BF16, (k // group_size, n, 2)),
         }
         if residual:
-            out[f"{name}.residual"] = (C.DTYPE_U8, (n, k // 2))
-            out[f"{name}.residual_scales"] = (C.DTYPE_BF16, (n, k // group_size))
+            m = n if residual_rows is None else residual_rows
+            if not 1 <= m <= n:
+                raise SpecError(f"{name}: a residual plane covers 1 to {n} rows, not {m}")
+            out[f"{name}.residual"] = (C.DTYPE_U8, (m, k // 2))
+            out[f"{name}.residual_scales"] = (C.DTYPE_BF16, (m, k // group_size))
+            if m < n:
+                out[f"{name}.residual_map"] = (C.DTYPE_I32, (n,))
+        elif residual_rows is not None:
+            raise SpecError(f"{name}: residual_rows without a residual plane")
         return out
     if kind == C.KIND_LUT4:
         if group_size not in C.GROUP_SIZES or k % group_size or k % 32:

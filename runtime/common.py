@@ -26,7 +26,7 @@ def decode_read_bytes(name: str, nbytes: int, rows: int) -> int:
     plane (only its REFINE_SPLIT refined rows) and an untied embedding (one row per token, ~0)."""
     if name.startswith("embed."):
         return 0
-    if name.endswith((".residual", ".residual_scales")):
+    if name.endswith((".residual", ".residual_scales", ".residual_map")):
         return nbytes * min(REFINE_SPLIT, rows) // rows
     return nbytes
 

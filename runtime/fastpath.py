@@ -56,7 +56,7 @@ def clinear(lin) -> core.CLinear:
         return core.CLinear(C.KIND_LUT4, lin.n, lin.k, lin.g, lin.qweight, lin.scales_zeros, lut=lin.levels)
     if isinstance(lin, Int4Linear):
         return core.CLinear(C.KIND_INT4, lin.n, lin.k, lin.g, lin.qweight, lin.scales_zeros, res=lin.residual,
-                            rsc=lin.rscales)
+                            rsc=lin.rscales, rmap=lin.rmap)
     if isinstance(lin, Int8Linear):
         return core.CLinear(C.KIND_INT8, lin.n, lin.k, 0, lin.qweight, lin.scales)
     w = lin.weight.to(torch.bfloat16).contiguous()  # a no-op view for bf16 checkpoints

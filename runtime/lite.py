@@ -62,7 +62,8 @@ def _clinear(name: str, li, t: dict) -> core.CLinear:
     """An artifact linear (formats LinearEntry) over the mapped arrays."""
     if li.kind == C.KIND_INT4:
         return core.CLinear(li.kind, li.n, li.k, li.group_size, t[f"{name}.qweight"], t[f"{name}.scales_zeros"],
-                            res=t.get(f"{name}.residual"), rsc=t.get(f"{name}.residual_scales"))
+                            res=t.get(f"{name}.residual"), rsc=t.get(f"{name}.residual_scales"),
+                            rmap=t.get(f"{name}.residual_map"))
     if li.kind == C.KIND_LUT4:
         return core.CLinear(li.kind, li.n, li.k, li.group_size, t[f"{name}.qweight"], t[f"{name}.scales_zeros"],
                             lut=t[f"{name}.levels"])

@@ -43,6 +43,8 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
             if lin.residual is not None:
                 out.append(("embedding/head" if head else "int4 weights", f"{name}.residual", lin.residual))
                 out.append(("embedding/head" if head else "scales/zeros", f"{name}.residual_scales", lin.rscales))
+            if getattr(lin, "rmap", None) is not None:
+                out.append(("embedding/head" if head else "scales/zeros", f"{name}.residual_map", lin.rmap))
         elif isinstance(lin, Int8Linear):
             out.append(("embedding/head" if head else "int8 weights", f"{name}.qweight", lin.qweight))
             out.append(("embedding/head" if head else "scales/zeros", f"{name}.scales", lin.scales))

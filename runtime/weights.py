@@ -93,6 +93,7 @@ class Int4Linear:
         self.block_rows = min(n, rows)
         self.c = None  # (lib, SqLinear) when the C core is loaded (rows32 only)
         self.residual = self.rscales = None  # a split linear's second plane (set by linears_from_artifact)
+        self.rmap = None  # a partial split's row map (formats/constants.py)
 
     def c_gemm(self, m: int) -> bool:
         """Whether m rows go through the C core's W4A8 product (else dequantize + dense GEMM)."""
@@ -164,7 +165,7 @@ class Int4Linear:
         if self.residual is None:
             return dequantize_codes(codes, self.scales_zeros[:, ids], self.g, dtype)
         w = dequantize_codes(codes, self.scales_zeros[:, ids], self.g, torch.float32)
-        return (w + residual_rows(self.residual, self.rscales, self.n, self.k, self.g, ids)).to(dtype)
+        return (w + residual_rows(self.residual, self.rscales, self.n, self.k, self.g, ids, self.rmap)).to(dtype)
 
     def exact(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T in fp32 with the whole stored weight (a split linear's both planes), W built
@@ -266,6 +267,7 @@ def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratc
                                    lin.group_size, lin.n, lin.k, art.layout, scratch, prefill_dequant)
             if lin.residual:
                 out[name].residual, out[name].rscales = tensors[f"{name}.residual"], tensors[f"{name}.residual_scales"]
+                out[name].rmap = tensors.get(f"{name}.residual_map")
         elif lin.kind == C.KIND_LUT4:
             out[name] = LutLinear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales_zeros"],
                                   tensors[f"{name}.levels"], lin.group_size, lin.n, lin.k, scratch, prefill_dequant)

@@ -105,11 +105,7 @@ def test_c_core_selects_exactly_the_top_k_and_refines_them(split_pair, kernel_bu
     rng = np.random.default_rng(1)
     for trial in range(3):
         xn = rng.standard_normal(m.spec.hidden).astype(np.float32)
-        sess.m.refine_top = 0
-        screen = sess.head(xn).copy()
-        sess.m.refine_top = REFINE_SPLIT
-        got = sess.head(xn).copy()
-        top = np.argsort(-screen, kind="stable")[:REFINE_SPLIT]
+        screen, got, top = _screen_and_refined(sess, xn)
         changed = np.nonzero(got != screen)[0]
         assert set(changed) <= set(top) and len(changed) > 0.99 * REFINE_SPLIT
         # the refined values against the stored weight in float64
@@ -118,19 +114,42 @@ def test_c_core_selects_exactly_the_top_k_and_refines_them(split_pair, kernel_bu
         np.testing.assert_allclose(got[top], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-def _stored_numpy(t, n, k):
-    """The stored weight of a rows32 split head from the mapped numpy arrays (float64)."""
-    sz = t["lm_head.scales_zeros"].view(np.uint16).astype(np.uint32) << 16
-    sz = sz.view(np.float32).astype(np.float64)  # [K/g, N, 2]
-    g = k // sz.shape[0]
+def _screen_and_refined(sess, xn):
+    """sq_head's logits with the refinement off and on, and the REFINE_SPLIT largest of the first."""
+    sess.m.refine_top = 0
+    screen = sess.head(xn).copy()
+    sess.m.refine_top = REFINE_SPLIT
+    got = sess.head(xn).copy()
+    return screen, got, np.argsort(-screen, kind="stable")[:REFINE_SPLIT]
 
-    def codes(b):
-        b = b.reshape(n, k // 32, 16)
-        return np.concatenate([b & 15, b >> 4], axis=2).reshape(n, k).astype(np.float64)
-    q, r = codes(t["lm_head.qweight"]), codes(t["lm_head.residual"])
-    rs = (t["lm_head.residual_scales"].view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    s, z = sz[..., 0].T.repeat(g, 1), sz[..., 1].T.repeat(g, 1)
-    return (q - 8) * s + z + (r - 8) * rs.repeat(g, 1)
+
+def _codes(b, rows, k):
+    b = b.reshape(rows, k // 32, 16)
+    return np.concatenate([b & 15, b >> 4], axis=2).reshape(rows, k).astype(np.float64)
+
+
+def _bf16(a):
+    return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _first_numpy(t, n, k):
+    """The first plane of a rows32 split head from the mapped numpy arrays (float64)."""
+    sz = _bf16(t["lm_head.scales_zeros"])  # [K/g, N, 2]
+    g = k // sz.shape[0]
+    return (_codes(t["lm_head.qweight"], n, k) - 8) * sz[..., 0].T.repeat(g, 1) + sz[..., 1].T.repeat(g, 1)
+
+
+def _stored_numpy(t, n, k):
+    """The stored weight of a rows32 split head (float64): the first plane, plus the second on
+    every row, or on the rows residual_map names (a partial split)."""
+    out = _first_numpy(t, n, k)
+    mp = t.get("lm_head.residual_map")
+    mp = np.arange(n) if mp is None else np.asarray(mp)
+    m = t["lm_head.residual"].shape[0]
+    rs = _bf16(t["lm_head.residual_scales"])
+    cov = mp >= 0
+    out[cov] += ((_codes(t["lm_head.residual"], m, k) - 8) * rs.repeat(k // rs.shape[1], 1))[mp[cov]]
+    return out
 
 
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
@@ -163,3 +182,138 @@ def test_untied_embedding_is_split_too(tmp_path):
     convert(str(src), str(tmp_path / "u"), Options(progress=False, method="minmax", head="split"))
     art = Artifact.open(tmp_path / "u")
     assert art.linears["embed"].residual and art.linears["lm_head"].residual
+
+
+# ---- a partial split (--head-rows, and the budget's partial candidates): the second plane on
+# the rows of the most probable tokens only, found through residual_map
+
+SHARE = 0.25
+
+
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory):
+    d = tmp_path_factory.mktemp("partial")
+    src = make_llama(d / "src", vocab=VOCAB, seed=3)
+    convert(str(src), str(d / "p"), Options(progress=False, method="gptq", head="split", head_rows=SHARE,
+                                            calib_tokens=1024))
+    return src, d / "p"
+
+
+def test_partial_split_format(partial):
+    from sparkq.convert.headrows import share_rows
+    src, p = partial
+    a = Artifact.open(p)
+    lin = a.linears["lm_head"]
+    m = share_rows(SHARE, VOCAB)
+    assert lin.residual and lin.residual_rows == m == VOCAB // 4
+    assert "residual on 25.0% of rows" in lin.encoding
+    assert a.infos["lm_head.residual"].shape == (m, lin.k // 2)
+    assert a.infos["lm_head.residual_scales"].shape == (m, lin.k // lin.group_size)
+    assert a.infos["lm_head.residual_map"].dtype == "I32" and a.infos["lm_head.residual_map"].shape == (VOCAB,)
+    t = a.map_numpy()
+    mp = t["lm_head.residual_map"]
+    covered = np.flatnonzero(mp >= 0)
+    assert len(covered) == m and np.array_equal(mp[covered], np.arange(m))
+    # the covered rows are the most probable next tokens on the calibration text: against the
+    # source model's own mean probabilities (transformers, fp32; the conversion's forward runs
+    # through the quantized layers, so a few rows near the cut may differ; chance: 25%)
+    import transformers
+    from sparkq.convert.calib import calibration_ids
+    from sparkq.convert.source import open_source
+    ids, _ = calibration_ids(open_source(str(src)), None, 1024)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    with torch.no_grad():
+        prob = ref(ids).logits.softmax(-1).mean((0, 1)).numpy()
+    want = np.argsort(-prob)[:m]
+    assert np.isin(want, covered).mean() > 0.9
+    # stored weight: both planes on covered rows, the first plane alone elsewhere
+    w = _source_head(src)
+    stored = _stored_numpy(t, VOCAB, lin.k)
+    first = _first_numpy(t, VOCAB, lin.k)
+    assert np.array_equal(stored[mp < 0], first[mp < 0])
+    e_cov = np.abs(stored[covered] - w[covered].double().numpy()).mean()
+    e_first = np.abs(first[covered] - w[covered].double().numpy()).mean()
+    assert e_cov < e_first / 6  # ~4 more bits (GPTQ first plane: 7.9x here)
+    rel = np.linalg.norm(stored - w.double().numpy()) / np.linalg.norm(w.double().numpy())
+    assert abs(a.manifest.linears["lm_head"].rel_error - rel) < 1e-4
+
+
+def test_partial_split_torch_rows_and_refinement(partial):
+    from sparkq.runtime import load
+    _, p = partial
+    m = load(str(p), max_model_len=64)
+    head = m.model.head
+    assert head.rmap is not None
+    stored = torch.from_numpy(_stored_numpy(Artifact.open(p).map_numpy(), VOCAB, head.k))
+    ids = torch.arange(VOCAB)
+    assert torch.allclose(head.rows(ids, torch.float32).double(), stored, atol=1e-6)
+    assert torch.equal(m.model.embedding.embed(ids[:300]), head.rows(ids[:300]))
+    x = torch.randn(6, m.model.spec.hidden, generator=torch.Generator().manual_seed(0))
+    exact = (x.double() @ stored.T)
+    for rows in (x[:2], x):  # the gather path and the dense one
+        screen = head(rows.contiguous(), out_dtype=torch.float32)
+        got = m.model._head(rows.contiguous())
+        for t_ in range(len(rows)):
+            top = screen[t_].topk(REFINE_SPLIT).indices
+            assert torch.allclose(got[t_, top].double(), exact[t_, top], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_partial_split_c_core(partial, kernel_build):
+    """sq_head refines the REFINE_SPLIT largest first-plane logits to the stored weight (second
+    plane where the map has it, the first alone elsewhere); the lite and torch runtimes decode
+    the same tokens; the torch-only path (torch embedding, torch refinement) the same first one."""
+    from sparkq.runtime import load
+    from sparkq.runtime.lite import load as load_lite
+    _, p = partial
+    m = load_lite(str(p), max_model_len=64)
+    sess = m.session
+    assert sess.m.head.rmap and sess.m.refine_top == REFINE_SPLIT
+    stored = _stored_numpy(m.tensors, VOCAB, m.spec.hidden)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        xn = rng.standard_normal(m.spec.hidden).astype(np.float32)
+        _, got, top = _screen_and_refined(sess, xn)
+        ref = stored[top] @ xn.astype(np.float64)
+        np.testing.assert_allclose(got[top], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        covered = np.asarray(m.tensors["lm_head.residual_map"])[top] >= 0
+        assert covered.any() and (~covered).any()  # both kinds of rows were refined
+    ids = [5, 17, 300, 2001, 9, 44]
+    a = load(str(p), max_model_len=64)
+    ta = list(a.stream_ids(ids, max_new_tokens=12, stop_ids=[]))
+    assert ta == list(m.stream_ids(ids, max_new_tokens=12, stop_ids=[]))
+    a.model.fast = None
+    assert int(a.model.forward(torch.tensor(ids), 0)[0].argmax()) == ta[0]
+
+
+def test_partial_split_map_is_checked(partial, tmp_path):
+    """A row map that points outside the planes (or names a row twice) is refused at load,
+    before any kernel indexes with it; so is --head-rows where it cannot apply."""
+    import struct
+    from sparkq.convert.errors import ConvertError
+    from sparkq.runtime.errors import RuntimeUserError
+    _, p = partial
+    for bad_value in (VOCAB, -2, 0):
+        bad = tmp_path / f"bad{bad_value}"
+        shutil.copytree(p, bad)
+        f = bad / "model.sparkq.safetensors"
+        raw = bytearray(f.read_bytes())
+        hlen = struct.unpack("<Q", raw[:8])[0]
+        a0, _ = json.loads(raw[8:8 + hlen])["lm_head.residual_map"]["data_offsets"]
+        mp = np.frombuffer(raw, dtype=np.int32, count=VOCAB, offset=8 + hlen + a0).copy()
+        i = int(np.flatnonzero(mp >= 0)[-1])  # the last covered row: 0 repeats the first row's index
+        mp[i] = bad_value
+        raw[8 + hlen + a0: 8 + hlen + a0 + 4 * VOCAB] = mp.tobytes()
+        f.write_bytes(bytes(raw))
+        art = Artifact.open(bad)
+        for m in (art.map, art.map_numpy):
+            with pytest.raises(ArtifactError, match="residual_map.*re-convert"):
+                m()
+    from sparkq.runtime.lite import load as load_lite
+    with pytest.raises((ArtifactError, RuntimeUserError), match="residual_map"):
+        load_lite(str(tmp_path / "bad0"), max_model_len=64)
+    src = partial[0]
+    for kw, msg in ((dict(head="int4", head_rows=0.5), "--head split"), (dict(head="split", head_rows=1.5), "share"),
+                    (dict(head="split", head_rows=0.5, method="minmax"), "calibration")):
+        with pytest.raises(ConvertError, match=msg):
+            convert(str(src), str(tmp_path / "x"), Options(progress=False, **{"method": "gptq", **kw}))

@@ -12,13 +12,13 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 10
+ABI = 11
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
 class SqLinear(ctypes.Structure):
     _fields_ = [("q", _P), ("sz", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I), ("g", _I),
-                ("res", _P), ("rsc", _P), ("lut", _P)]
+                ("res", _P), ("rsc", _P), ("lut", _P), ("rmap", _P)]
 
 
 class SqLayer(ctypes.Structure):

@@ -42,6 +42,7 @@ class CLinear:
     res: object = None
     rsc: object = None
     lut: object = None  # lut4: int8 [N, 16] levels
+    rmap: object = None  # a partial split: int32 [N] rows of res / rsc, -1 where it has none
 
 
 def ptr(buf) -> int | None:
@@ -59,7 +60,7 @@ def ptr(buf) -> int | None:
 
 def linear_struct(lib, lin: CLinear) -> abi.SqLinear:
     return abi.SqLinear(ptr(lin.q), ptr(lin.sz), ptr(lin.bias), kind_code(lib, lin.kind), lin.n, lin.k, lin.g,
-                        ptr(lin.res), ptr(lin.rsc), ptr(lin.lut))
+                        ptr(lin.res), ptr(lin.rsc), ptr(lin.lut), ptr(lin.rmap))
 
 
 class Session:

@@ -167,10 +167,44 @@ static inline __m256 nib_dot(__m128i b, const float *xb, __m256 acc) {
 }
 #endif
 
-static float split_row_dot(const sq_linear *L, int64_t n, const float *x, const float *gsum) {
+/* row n of a split linear's first plane alone (a row its second plane does not cover) */
+static float first_row_dot(const sq_linear *L, int64_t n, const float *x, const float *gsum) {
     const int64_t K = L->k, g = L->g, G = K / g;
-    const uint8_t *w = L->q + n * (K / 2), *r = L->res + n * (K / 2);
-    const uint16_t *rs = L->rsc + n * G;
+    const uint8_t *w = L->q + n * (K / 2);
+    float acc = 0.f;
+#ifdef SQ_AVX2
+    nibv av = nib_zero();
+    for (int64_t gi = 0; gi < G; gi++) {
+        nibv aq = nib_zero();
+        for (int64_t b = gi * g / 32; b < (gi + 1) * g / 32; b++)
+            aq = nib_dot(_mm_loadu_si128((const __m128i *)(w + 16 * b)), x + 32 * b, aq);
+        const uint16_t *p = L->sz + 2 * (gi * L->n + n);
+        const float s = bf(p[0]), z = bf(p[1]);
+        av = nib_fma(aq, s, av);
+        acc += (z - 8.f * s) * gsum[gi];
+    }
+    return nib_sum(av) + acc;
+#else
+    for (int64_t gi = 0; gi < G; gi++) {
+        float dq = 0.f;
+        for (int64_t b = gi * g / 32; b < (gi + 1) * g / 32; b++) {
+            const uint8_t *wb = w + 16 * b;
+            const float *xb = x + 32 * b;
+            for (int j = 0; j < 16; j++) dq += (float)(wb[j] & 15) * xb[j] + (float)(wb[j] >> 4) * xb[j + 16];
+        }
+        const uint16_t *p = L->sz + 2 * (gi * L->n + n);
+        const float s = bf(p[0]), z = bf(p[1]);
+        acc += s * dq + (z - 8.f * s) * gsum[gi];
+    }
+    return acc;
+#endif
+}
+
+static float split_row_dot(const sq_linear *L, int64_t n, const float *x, const float *gsum) {
+    const int64_t K = L->k, g = L->g, G = K / g, rn = res_row(L, n);
+    if (rn < 0) return first_row_dot(L, n, x, gsum);
+    const uint8_t *w = L->q + n * (K / 2), *r = L->res + rn * (K / 2);
+    const uint16_t *rs = L->rsc + rn * G;
     float acc = 0.f;
 #ifdef SQ_AVX2
     /* the planes' group dots stay in vectors, scaled there: one horizontal sum per row */
@@ -236,13 +270,15 @@ static inline void touch(const void *p) {
 }
 
 static inline void split_row_prefetch(const sq_linear *L, int64_t n) {
-    const int64_t K = L->k, G = K / L->g;
+    const int64_t K = L->k, G = K / L->g, rn = res_row(L, n);
     touch(L->q + n * (K / 2));
-    touch(L->res + n * (K / 2));
-    touch(L->rsc + n * G);
+    if (rn >= 0) {
+        touch(L->res + rn * (K / 2));
+        touch(L->rsc + rn * G);
+    }
     for (int64_t o = 64; o < K / 2; o += 64) {
         __builtin_prefetch(L->q + n * (K / 2) + o);
-        __builtin_prefetch(L->res + n * (K / 2) + o);
+        if (rn >= 0) __builtin_prefetch(L->res + rn * (K / 2) + o);
     }
     for (int64_t gi = 0; gi < G; gi++) __builtin_prefetch(L->sz + 2 * (gi * L->n + n));
 }

@@ -136,6 +136,7 @@ static void embed_row(const sq_linear *E, int64_t id, float *x) {
     const int64_t K = E->k;
     if (is_q4(E)) {
         const uint8_t *w = E->q + id * (K / 2);
+        const int64_t rid = E->res ? res_row(E, id) : -1; /* its row of a split embedding's second plane */
         float t[16]; /* the codes' values: q - 8 (int4) or the row's levels (lut4) */
         for (int j = 0; j < 16; j++) t[j] = E->kind == KIND_LUT4 ? (float)E->lut[16 * id + j] : j - 8.f;
         for (int64_t b = 0; b < K / 32; b++)
@@ -144,9 +145,9 @@ static void embed_row(const sq_linear *E, int64_t id, float *x) {
                 const uint16_t *p0 = E->sz + 2 * ((k0 / E->g) * E->n + id), *p1 = E->sz + 2 * ((k1 / E->g) * E->n + id);
                 x[k0] = t[w[16 * b + j] & 15] * bf(p0[0]) + bf(p0[1]);
                 x[k1] = t[w[16 * b + j] >> 4] * bf(p1[0]) + bf(p1[1]);
-                if (E->res) { /* a split embedding: add the second plane */
-                    const uint8_t r = E->res[id * (K / 2) + 16 * b + j];
-                    const uint16_t *rs = E->rsc + id * (K / E->g);
+                if (rid >= 0) { /* a split embedding: add the second plane */
+                    const uint8_t r = E->res[rid * (K / 2) + 16 * b + j];
+                    const uint16_t *rs = E->rsc + rid * (K / E->g);
                     x[k0] += ((r & 15) - 8.f) * bf(rs[k0 / E->g]);
                     x[k1] += ((r >> 4) - 8.f) * bf(rs[k1 / E->g]);
                 }

@@ -5,7 +5,7 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 10
+#define SQ_ABI 11
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
@@ -17,11 +17,13 @@ enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
  *   bias bf16 [N] or NULL
  *   res, rsc  a split int4 linear's second plane (formats/constants.py), else NULL: rows32 codes
  *        r [N, K/2] and bf16 scales [N, K/g]; stored weight = (q - 8) s + z + (r - 8) rs.
- *        Products read the first plane only; the head refinement and embedding rows add it. */
+ *        Products read the first plane only; the head refinement and embedding rows add it.
+ *   rmap a split linear whose second plane covers some rows only: int32 [N], row n's row in
+ *        res / rsc, or -1 (no second plane: the row is its first plane); NULL: row n is row n */
 #define SQ_LINEAR_FIELDS(F)                                                                       \
     F(const uint8_t *, q) F(const uint16_t *, sz) F(const uint16_t *, bias) F(int64_t, kind)     \
     F(int64_t, n) F(int64_t, k) F(int64_t, g) F(const uint8_t *, res) F(const uint16_t *, rsc)          \
-    F(const int8_t *, lut)
+    F(const int8_t *, lut) F(const int32_t *, rmap)
 
 /* one decoder layer: its linears, norms (bf16 [D] or NULL), RoPE tables (bf16 [rope_len, rot]),
  * its KV cache [kv_heads, cap, head_dim] (bf16, or int8 codes with kscale / vscale: one bf16 scale

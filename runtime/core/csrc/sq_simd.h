@@ -40,6 +40,8 @@ static inline uint16_t to_bf(float f) { /* round to nearest even, like torch */
 
 /* a linear with 4-bit rows32 codes and per-group (scale, zero): int4 or lut4 */
 static inline int is_q4(const sq_linear *L) { return L->kind == KIND_INT4 || L->kind == KIND_LUT4; }
+/* row n's row of a split linear's second plane, or -1 where that plane does not cover it */
+static inline int64_t res_row(const sq_linear *L, int64_t n) { return L->rmap ? (int64_t)L->rmap[n] : n; }
 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
