@@ -221,3 +221,22 @@ def test_head_partial_splits_are_priced_by_probability():
         assert b == base[0][0] + m * (k // 2 + 2 * (k // 32)) + 4 * n
         assert d == pytest.approx(1.0 - 0.9 * H.coverage(imp, m))
         assert c.label == f"int4 g32 + residual on {m / n:.1%} of rows"
+
+
+def test_partial_heads_are_offered_from_small_params_up(tiny, tmp_path, monkeypatch):
+    """The default conversion offers the head partial splits only from SMALL_PARAMS up (this tiny
+    model is below: none offered); with the threshold lowered they are offered beside the whole
+    encodings and the manifest records what the allocation chose. (A random model's diffuse
+    predictions never make one worth its bytes; test_split_head.py runs partial heads.)"""
+    from sparkq.convert import pipeline as P
+
+    seen = []
+    real = B._partial_splits
+    monkeypatch.setattr(B, "_partial_splits", lambda *a: seen.append(r := real(*a)) or r)
+    convert(str(tiny), str(tmp_path / "small"), Options(progress=False, bpw=6.0))
+    assert not seen
+    monkeypatch.setattr(P, "SMALL_PARAMS", 0)
+    s = convert(str(tiny), str(tmp_path / "big"), Options(progress=False, bpw=6.0))
+    assert len(seen) == 1 and {c.share for _, _, c in seen[0]} >= {1 / 4}
+    head = Artifact.open(tmp_path / "big").linears["lm_head"]
+    assert s["budget"]["linears"]["lm_head"]["choice"] == head.encoding
