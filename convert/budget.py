@@ -224,8 +224,8 @@ def allocate(options: dict[str, list[tuple[int, float, Choice]]], budget_bytes: 
 def _partial_splits(lin, out: list, importance) -> list:
     """A head's partial splits (headrows.py): at each share of its rows, the damage of the int4
     first plane alone where the second plane is missing and of the split where it is, weighted
-    by the share of the gain those rows are estimated to cover (headrows.coverage)."""
-    imp = importance[0] + importance[1]
+    by the share of the gain those rows are estimated to cover (headrows.coverage of the rows'
+    mean probabilities ``importance``)."""
     by = {(c.kind, c.group_size, c.residual): d for _, d, c in out}
     extra = []
     for g in sorted({c.group_size for _, _, c in out if c.residual}):
@@ -236,7 +236,7 @@ def _partial_splits(lin, out: list, importance) -> list:
             m = share_rows(s, lin.n)
             if m >= lin.n:
                 continue
-            cov = coverage(imp, m)
+            cov = coverage(importance, m)
             c = Choice(C.KIND_INT4, g, True, s)
             extra.append((choice_bytes(lin.name, lin.n, lin.k, c), d0 * (1 - cov) + d1 * cov, c))
     return extra
@@ -244,7 +244,7 @@ def _partial_splits(lin, out: list, importance) -> list:
 
 def _options(lin, w: torch.Tensor, x: torch.Tensor | None, importance=None):
     """[(bytes, damage, choice)] of one linear from its sampled rows w and calibration inputs x
-    (and for a head, its rows' held-out probability: the partial splits)."""
+    (and for a head, its rows' mean probabilities: the partial splits)."""
     role = role_of(lin.name)
     cols = sample_cols(lin.k)
     if len(cols) < lin.k:
@@ -283,9 +283,8 @@ def probe(source, spec, srcs, linears, ids, read_rows, bar=None, head_importance
     """Each linear's candidates [(bytes, damage, choice)] and the residual gains, from a forward of the unquantized model
     over ids (None: no calibration; damage from the weights alone). ``read_rows(lin, r0, r1)``
     reads a linear's fused source rows. The gains are known once the forward reached the head.
-    With calibration, the head's rows' mean probabilities on the two halves of the tokens go
-    into ``head_importance`` (name -> (fit, held)) and, with ``partial_head``, its candidates gain
-    partial splits."""
+    With calibration and ``partial_head``, the head's rows' mean probabilities over the tokens go
+    into ``head_importance`` (name -> float64 [N]) and its candidates gain partial splits."""
     from .calib import Calibration
 
     cal = Calibration(source, spec, srcs, ids) if ids is not None else None

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SHARES = (1 / 32, 1 / 16, 1 / 8, 1 / 4)
-COVERAGE_EXP = 0.6  # least squares over 0.5 / 0.55 / 0.6 / 0.65 (0.0229 / 0.0059 / 0.0051 / 0.0198)  # the fractions of a head's rows the budget may give the second plane
+SHARES = (1 / 32, 1 / 16, 1 / 8, 1 / 4)  # the fractions of a head's rows the budget may give the second plane
+COVERAGE_EXP = 0.6  # least squares over 0.5 / 0.55 / 0.6 / 0.65 (0.0229 / 0.0059 / 0.0051 / 0.0198)
 LOGIT_BYTES = 64 << 20  # float32 logits per row block (tokens x rows)
 
 
@@ -30,12 +30,11 @@ def share_rows(share: float, n: int) -> int:
     return int(min(n, max(1, round(share * n))))
 
 
-def mean_probability(x: torch.Tensor, rows, n: int, halves: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def mean_probability(x: torch.Tensor, rows, n: int) -> np.ndarray:
     """Each head row's mean next-token probability (float64 [N]) over the positions x (final-normed
-    hidden states [T, K]) on the first and second half of them (both the whole x when
-    ``halves`` is False or T == 1). ``rows(r0, r1)`` gives head rows [r0, r1) (bf16 or float32:
-    x is multiplied in that dtype, fp32 sums). Two passes over the rows in blocks: each
-    position's log-sum-exp, then the probabilities; no [T, N] buffer."""
+    hidden states [T, K]). ``rows(r0, r1)`` gives head rows [r0, r1) (bf16 or float32: x is
+    multiplied in that dtype, fp32 sums). Two passes over the rows in blocks: each position's
+    log-sum-exp, then the probabilities; no [T, N] buffer."""
     t = x.shape[0]
     block = max(256, LOGIT_BYTES // (4 * t))
     lse = torch.full((t,), -float("inf"), dtype=torch.float64)
@@ -45,16 +44,14 @@ def mean_probability(x: torch.Tensor, rows, n: int, halves: bool = True) -> tupl
         lse = torch.logaddexp(lse, torch.logsumexp(lg, dim=1).double())
         del lg
     lse32 = lse.float()[:, None]
-    half = t // 2 if halves and t > 1 else t
-    a, b = np.zeros(n), np.zeros(n)
+    out = np.zeros(n)
     for r0 in range(0, n, block):
         r1 = min(n, r0 + block)
         w = rows(r0, r1)
         p = (x.to(w.dtype) @ w.T).float().sub_(lse32).exp_()  # in place: one [T, block] buffer
-        a[r0:r1] = p[:half].sum(0, dtype=torch.float64).numpy() / half
-        b[r0:r1] = (p[half:].sum(0, dtype=torch.float64).numpy() / (t - half)) if half < t else a[r0:r1]
+        out[r0:r1] = p.sum(0, dtype=torch.float64).numpy() / t
         del p
-    return a, b
+    return out
 
 
 def top_rows(importance: np.ndarray, m: int) -> np.ndarray:

@@ -204,7 +204,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     the C core loaded), else the dequantized float32 [N, K]
     (``keep_deq=False`` for the head, which ends the forward: at a 152k vocabulary that buffer
     alone is 1.2 GB). A partial split (``lin.residual_rows`` < N) gives its second plane to the
-    rows of the largest ``importance`` (convert/headrows.py; without it, the first rows)."""
+    rows of the largest ``importance``, the rows' mean probabilities (convert/headrows.py)."""
     part_rows = spec.part_rows(lin.name)
     lay = get_layout(layout)
     chunk = max(lay.block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
@@ -258,9 +258,9 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
         res_all = np.empty(lin.n * lin.k // 2, dtype=np.uint8)
         rs_all = torch.empty(lin.n, lin.k // lin.group_size, dtype=torch.bfloat16)
         if lin.residual_rows is not None and lin.residual_rows < lin.n:
-            imp = np.zeros(lin.n) if importance is None else importance[0] + importance[1]
+            assert importance is not None, f"{lin.name}: a partial split without its rows' probabilities"
             keep = np.zeros(lin.n, dtype=bool)
-            keep[top_rows(imp, lin.residual_rows)] = True
+            keep[top_rows(importance, lin.residual_rows)] = True
     packed = np.empty(lin.n * lin.k // 2, dtype=np.uint8) if core is not None else None
     factor = None
     if hessian is not None:
@@ -561,7 +561,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                                     tc = time.perf_counter()
                                     head_imp[item] = mean_probability(cal.inputs(item), lambda r0, r1, lin=lin: (
                                         _read_fused_rows(source, lin.sources, spec.part_rows(item), r0, r1).float()),
-                                        lin.n, halves=False)
+                                        lin.n)
                                     cal_s += time.perf_counter() - tc
                                 errors[item], deq = _write_linear(w, source, spec, lin, layout, opts.method,
                                                                   bar, hbox, keep_deq=role_of(item) != C.ROLE_LM_HEAD,

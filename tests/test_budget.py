@@ -183,7 +183,7 @@ def test_probe_estimates_are_output_errors(tiny):
 
 def test_head_partial_splits_are_priced_by_probability():
     """The head's partial splits (convert/headrows.py): mean_probability equals a direct softmax
-    over the whole vocabulary (both halves of the positions), coverage is the top rows' share of
+    over the whole vocabulary averaged over the positions, coverage is the top rows' share of
     p ** COVERAGE_EXP, and each partial candidate costs the first plane plus its rows' second plane
     and map, with damage between the int4 plane's and the full split's by that coverage."""
     from sparkq.convert import headrows as H
@@ -193,17 +193,15 @@ def test_head_partial_splits_are_priced_by_probability():
     n, k = 1000, 64
     w = torch.randn(n, k, generator=g) * 0.2
     x = torch.randn(12, k, generator=g)
-    fit, held = H.mean_probability(x, lambda a, b: w[a:b], n)
+    imp = H.mean_probability(x, lambda a, b: w[a:b], n)
     p = (x.double() @ w.double().T).softmax(-1)
-    assert fit == pytest.approx(p[:6].mean(0).numpy(), rel=1e-4, abs=1e-9)
-    assert held == pytest.approx(p[6:].mean(0).numpy(), rel=1e-4, abs=1e-9)
+    assert imp == pytest.approx(p.mean(0).numpy(), rel=1e-4, abs=1e-9)
     old = H.LOGIT_BYTES
     try:  # row blocks smaller than the vocabulary: the two passes' log-sum-exp over blocks
         H.LOGIT_BYTES = 4 * 12 * 300
-        assert H.mean_probability(x, lambda a, b: w[a:b], n)[0] == pytest.approx(fit, rel=1e-4, abs=1e-9)
+        assert H.mean_probability(x, lambda a, b: w[a:b], n) == pytest.approx(imp, rel=1e-4, abs=1e-9)
     finally:
         H.LOGIT_BYTES = old
-    imp = fit + held
     top = H.top_rows(imp, 50)
     assert list(top) == sorted(torch.tensor(imp).topk(50).indices.tolist())
     q = imp ** H.COVERAGE_EXP
@@ -214,7 +212,7 @@ def test_head_partial_splits_are_priced_by_probability():
     lin = LinearEntry(C.ROLE_LM_HEAD, C.KIND_INT4, n, k, 32)
     base = [(B.choice_bytes(lin.name, n, k, c), d, c) for c, d in
             ((B.Choice(C.KIND_INT4, 32), 1.0), (B.Choice(C.KIND_INT4, 32, True), 0.1))]
-    extra = B._partial_splits(lin, base, (fit, held))
+    extra = B._partial_splits(lin, base, imp)
     assert {c.share for _, _, c in extra} == set(H.SHARES)
     for b, d, c in extra:
         m = H.share_rows(c.share, n)
