@@ -3,10 +3,8 @@
 Each linear has candidate encodings (lut4 and int4 at g32/64/128, int8; the head also the split
 int4 + residual), each with an exact byte cost (formats/spec.py ``linear_tensors``) and an
 estimated damage: the relative error of its output on calibration inputs X,
-``tr(E H E^T) / tr(W H W^T)`` with ``H = X^T X`` and ``E = W - Q``, times the share of the residual
-stream that linear writes (its *gain*: the per-token mean of |y|^2 / |x|^2, y what o, down or the
-embedding add to the stream, x the stream the final norm sees; a layer's qkv / gate_up take the
-value of the o / down they feed; 1 for the head, plus the embedding's when tied). Q is what the conversion would write: GPTQ
+``tr(E H E^T) / tr(W H W^T)`` with ``H = X^T X`` and ``E = W - Q``, times the linear's measured
+sensitivity, the KL a unit of that error costs where it sits (convert/sensitivity.py). Q is what the conversion would write: GPTQ
 codes against the candidate's grid (lut4 and int4), per-row rounding (int8, the residual head),
 computed on a sample of rows and, for wide inputs, on a column sample (whole 128-column blocks,
 the Hessian restricted to them). GPTQ is fitted on the first half of the probe's tokens and its
@@ -19,7 +17,8 @@ taken while the file stays within budget.
 
 The estimates come from one forward of the unquantized model over the first ``PROBE_TOKENS``
 calibration tokens (convert/calib.py), before the conversion proper, one layer alive at a time
-(its products in bf16 on CPUs with native bf16: the source's weights are bf16 already).
+(its products in bf16 on CPUs with native bf16: the source's weights are bf16 already), and the
+sensitivities from one more over a few of them.
 """
 from __future__ import annotations
 
@@ -151,20 +150,6 @@ def sample_rows(n: int, rows: int = SAMPLE_ROWS) -> torch.Tensor:
     return torch.linspace(0, n - 1, rows).round().long().unique()
 
 
-def gain_of(name: str, gains: dict[str, float], tied: bool = False) -> float:
-    """The residual-stream share a linear's relative error is weighted by (module docstring)."""
-    if name == C.ROLE_LM_HEAD:
-        return 1.0 + (gains.get("embed", 0.0) if tied else 0.0)
-    if name == C.ROLE_EMBED:
-        return gains.get("embed", 1.0)
-    layer, _, role = name.rpartition(".")
-    if role in (C.ROLE_QKV, C.ROLE_O):
-        return gains.get(f"{layer}.{C.ROLE_O}", 1.0)
-    if role in (C.ROLE_GATE_UP, C.ROLE_DOWN):
-        return gains.get(f"{layer}.{C.ROLE_DOWN}", 1.0)
-    return 1.0
-
-
 def _hull(points: list[tuple[int, float, Choice]]) -> list[tuple[int, float, Choice]]:
     """The lower convex hull of (bytes, damage), cheapest first, damage strictly decreasing."""
     pts = sorted(points, key=lambda p: (p[0], p[1]))
@@ -278,14 +263,16 @@ def _forward_weight(w: torch.Tensor) -> torch.Tensor:
     return w.to(torch.bfloat16) if prefill_dtype() == torch.bfloat16 else w.float()
 
 
-def probe(source, spec, srcs, linears, ids, read_rows, bar=None, head_importance: dict | None = None,
-          partial_head: bool = True) -> tuple[dict[str, list], dict[str, float]]:
-    """Each linear's candidates [(bytes, damage, choice)] and the residual gains, from a forward of the unquantized model
-    over ids (None: no calibration; damage from the weights alone). ``read_rows(lin, r0, r1)``
-    reads a linear's fused source rows. The gains are known once the forward reached the head.
-    With calibration and ``partial_head``, the head's rows' mean probabilities over the tokens go
-    into ``head_importance`` (name -> float64 [N]) and its candidates gain partial splits."""
+def probe(source, spec, srcs, linears, ids, read_rows, bar=None,
+          head_importance: dict | None = None) -> tuple[dict[str, list], dict[str, float]]:
+    """Each linear's candidates [(bytes, damage, choice)] and the sensitivities that scale them
+    (convert/sensitivity.py), from forwards of the unquantized model over ids (None: no
+    calibration; damage from the weights alone, unscaled). ``read_rows(lin, r0, r1)`` reads a
+    linear's fused source rows. With calibration, the head's rows' mean
+    probabilities over the tokens go into ``head_importance`` (name -> float64 [N]) and its
+    candidates gain partial splits."""
     from .calib import Calibration
+    from .sensitivity import sensitivities
 
     cal = Calibration(source, spec, srcs, ids) if ids is not None else None
     options = {}
@@ -297,7 +284,7 @@ def probe(source, spec, srcs, linears, ids, read_rows, bar=None, head_importance
             else read_rows(lin, 0, lin.n).float()
         x = cal.inputs(lin.name) if cal is not None and lin.name != C.ROLE_EMBED else None
         imp = None
-        if partial_head and x is not None and lin.name == C.ROLE_LM_HEAD and lin.k % 32 == 0:
+        if x is not None and lin.name == C.ROLE_LM_HEAD and lin.k % 32 == 0:
             imp = mean_probability(x, lambda r0, r1: _forward_weight(read_rows(lin, r0, r1)), lin.n)
             if head_importance is not None:
                 head_importance[lin.name] = imp
@@ -306,11 +293,13 @@ def probe(source, spec, srcs, linears, ids, read_rows, bar=None, head_importance
             cal.advance(lin.name, _forward_weight(read_rows(lin, 0, lin.n)))
         if bar is not None:
             bar.update(1)
-    gains = cal.gains() if cal is not None else {}
+    del cal
+    sens = {} if ids is None else sensitivities(source, spec, srcs, linears, ids,
+                                                lambda lin, r0, r1: _forward_weight(read_rows(lin, r0, r1)), bar)
     for n in options:
-        g = gain_of(n, gains, spec.tied) if gains else 1.0
-        options[n] = [(b, g * d, c) for b, d, c in options[n]]
-    return options, gains
+        k = sens.get(n, 1.0)
+        options[n] = [(b, k * d, c) for b, d, c in options[n]]
+    return options, sens
 
 
 def spend(linears, budget_bytes: int, options: dict[str, list]) -> tuple[list, dict]:

@@ -198,7 +198,10 @@ class Calibration:
             self.x *= torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16).float()
         self.inp: torch.Tensor | None = None  # input of the next linear
         self.inp_of: str | None = None  # the linear self.inp was computed for by inputs()
-        self.writes: dict[str, torch.Tensor] = {"embed": self.x.pow(2).sum(-1)}  # |y_t|^2 each writes to the residual
+        # linear name -> (sequence j, E [N, K]): that sequence's tokens see W - E there instead of W
+        # (convert/sensitivity.py); the relative output error it made goes into self.rel_error
+        self.errors: dict[str, tuple[int, torch.Tensor]] = {}
+        self.rel_error: dict[str, float] = {}
         pos = torch.arange(self.seq_len, dtype=torch.float32)
         self.rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(spec.layers):
@@ -243,12 +246,18 @@ class Calibration:
         x, t = self.inputs(name), self.seq_len
         return sum(x[t0:t0 + t].float().pow(2).sum(0) for t0 in range(0, x.shape[0], t))
 
-    def gains(self) -> dict[str, float]:
-        """What the embedding and each o / down wrote into the residual stream, relative to the
-        stream the final norm sees: the per-token mean of |y_t|^2 / |x_t|^2 (the massive
-        activations of a few tokens do not dominate). Call once the forward reached the head."""
-        fin = self.x.pow(2).sum(-1).clamp_min(1e-30)
-        return {n: float((v / fin).mean(dtype=torch.float64)) for n, v in self.writes.items()}
+    def perturb(self, name: str, x: torch.Tensor, y: torch.Tensor, t0: int = 0) -> torch.Tensor:
+        """y = x W^T (rows t0.. of the batch's tokens), with W - E on sequence j's rows where
+        ``self.errors`` names this linear (in place)."""
+        if name not in self.errors:
+            return y
+        j, e = self.errors[name]
+        a, b = max(0, j * self.seq_len - t0), min(y.shape[0], (j + 1) * self.seq_len - t0)
+        if a < b:
+            d = x[a:b].float() @ e.T
+            self.rel_error[name] = float(d.pow(2).sum(dtype=torch.float64) / y[a:b].pow(2).sum(dtype=torch.float64))
+            y[a:b] -= d
+        return y
 
     def advance(self, name: str, w) -> None:
         """Move the activations through the quantized linear ``name`` (w: float32 [N, K],
@@ -266,13 +275,15 @@ class Calibration:
             half = w.shape[0] // 2
             out = torch.empty(self.inp.shape[0], half, dtype=torch.bfloat16)
             if isinstance(w, RowBlocks):  # gate and up rows a block at a time: no [tokens, 2I] product
+                assert not self.errors, "a weight error needs the whole product"
                 for j0 in range(0, half, w.block):
                     j1 = min(half, j0 + w.block)
                     out[:, j0:j1] = act(self.inp @ w.rows(j0, j1).T) * (self.inp @ w.rows(half + j0, half + j1).T)
                 self.inp = out
                 return
             for t0 in range(0, out.shape[0], self.seq_len):
-                g, u = _mm(self.inp[t0:t0 + self.seq_len], w).chunk(2, dim=-1)
+                x = self.inp[t0:t0 + self.seq_len]
+                g, u = self.perturb(name, x, _mm(x, w), t0).chunk(2, dim=-1)
                 out[t0:t0 + self.seq_len] = act(g) * u
             self.inp = out
             return
@@ -283,6 +294,7 @@ class Calibration:
             step = 128 if isinstance(w, RowBlocks) else self.seq_len  # (blocks re-read: the float copy stays small)
             for t0 in range(0, y.shape[0], step):
                 y[t0:t0 + step] = _mm(self.inp[t0:t0 + step].float(), w)
+        y = self.perturb(name, self.inp, y)
         if role == C.ROLE_QKV:
             if s.qkv_bias:
                 y += self._vec(f"{layer}.qkv.bias")
@@ -290,7 +302,6 @@ class Calibration:
         else:  # o, down: residual add
             if s.sandwich_norms:
                 y = self._norm(y, f"{layer}.{'post_attn_norm' if role == C.ROLE_O else 'post_mlp_norm'}.weight")
-            self.writes[name] = y.pow(2).sum(-1)  # what this linear writes into the residual stream, per token
             self.x += y
             self.inp = None
 

@@ -45,15 +45,10 @@ BODY_KINDS = ("int4", "lut4")  # --kind
 # the decode step reads the 4-bit plane: 1.7B shape decode +15% (docs/quality.md "Split head"). Other
 # targets (torch's int4 layouts, whose runtime gathers the refined rows slowly) keep int8.
 # The budget a plain `spark-convert SRC OUT` spends (docs/quality.md "Bit budget"): 4.55 bits/weight
-# from 1B parameters (Qwen2.5-Coder-1.5B: KL 0.029 vs llama.cpp IQ4_XS+imatrix's at 4.59), 5.0 below,
-# where the tied head is a fifth of the weights and a bit buys more (SmolLM2-135M: KL 0.035 at 5.0,
-# 0.10 at 4.65) while the file stays small (84 MB)
+# from 1B parameters (Qwen2.5-Coder-1.5B: KL 0.022 vs llama.cpp IQ4_XS+imatrix's 0.035 at 4.59), 5.0
+# below, where the tied head is a fifth of the weights and a bit buys more (SmolLM2-135M: KL 0.028 at
+# 5.0; 0.10 at 4.65 with the earlier estimates) while the file stays small (84 MB)
 DEFAULT_BPW, DEFAULT_BPW_SMALL, SMALL_PARAMS = 4.55, 5.0, 1_000_000_000
-# The budget offers partial split heads (convert/headrows.py) from SMALL_PARAMS up: Qwen2.5-Coder-1.5B
-# at 4.55, KL 0.0302 -> 0.0270 (head: int4 g128 + the second plane on 6.2% of rows); on the 135M
-# example the budget paid for one with 29 linears at g64 instead of g32 and KL rose 0.034 -> 0.048
-# (its per-linear estimates undercount g32 -> g64 there, ~10x against the head's: docs/quality.md
-# "Partial split head"), so below it the head's candidates stay whole
 
 
 def default_bpw(params: int) -> float:
@@ -385,11 +380,14 @@ def _spend_budget(source: Source, spec: ModelSpec, srcs: dict, linears: list[Lin
     fixed = sum(2 * s[0] for s in vectors.values()) + 128 * (4 * len(linears) + len(vectors))  # vectors, alignment, header
     budget = int(float(opts.bpw) * params / 8) - fixed
     head_imp: dict = {}
-    with tqdm(total=len(linears), desc="budget", disable=not opts.progress, leave=False) as bar:
-        options, _ = B.probe(source, spec, srcs, linears, probe_ids, read, bar, head_imp,
-                             partial_head=params >= SMALL_PARAMS)
+    steps = len(linears) + (0 if probe_ids is None else sum(role_of(l.name) in C.LAYER_LINEARS for l in linears) + 1)
+    with tqdm(total=steps, desc="budget", disable=not opts.progress, leave=False) as bar:
+        options, sens = B.probe(source, spec, srcs, linears, probe_ids, read, bar, head_imp)
     try:
         linears, report = B.spend(linears, budget, options)
+        for n, r in report.items():
+            if n in sens:
+                r["sensitivity"] = sens[n]
     except B.BudgetError as e:
         least = 8 * (e.least + fixed) / params
         raise ConvertError(f"--bpw {opts.bpw} is below the smallest encoding of this model "

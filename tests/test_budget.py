@@ -147,8 +147,8 @@ def test_column_sample_keeps_groups_whole():
 
 def test_probe_estimates_are_output_errors(tiny):
     """probe(): each estimate is the relative output error on held-out probe inputs (GPTQ fitted on
-    the first half of the tokens, measured on the second) times the layer's gain; gains are
-    positive shares."""
+    the first half of the tokens, measured on the second) times the linear's measured sensitivity
+    (convert/sensitivity.py), positive for every linear."""
     from sparkq.convert.calib import Calibration
     from sparkq.convert.gptq import gptq_factor
     from sparkq.convert.pipeline import _read_fused_rows, plan
@@ -159,10 +159,9 @@ def test_probe_estimates_are_output_errors(tiny):
         recipe, spec, linears, vectors, srcs = plan(src, Options(progress=False))
         ids = torch.randint(0, 512, (2, 64))
         read = lambda lin, a, b: _read_fused_rows(src, lin.sources, spec.part_rows(lin.name), a, b)  # noqa: E731
-        options, gains = B.probe(src, spec, srcs, linears, ids, read)
-        assert set(gains) == {"embed"} | {f"layers.{i}.{r}" for i in range(3) for r in (C.ROLE_O, C.ROLE_DOWN)}
-        assert all(0 < g for g in gains.values())
-        assert set(options) == {lin.name for lin in linears}  # the tied head: lm_head (embed shares it)
+        options, sens = B.probe(src, spec, srcs, linears, ids, read)
+        assert set(sens) == {lin.name for lin in linears} == set(options)  # the tied head: lm_head (embed shares it)
+        assert all(0 < v for v in sens.values())
         cal = Calibration(src, spec, srcs, ids)
         for lin in linears:
             x = cal.inputs(lin.name).float()
@@ -170,13 +169,14 @@ def test_probe_estimates_are_output_errors(tiny):
                 w = read(lin, 0, lin.n).float()
                 fit, held = x[:64].T @ x[:64], x[64:].T @ x[64:]  # fitted on the first window, measured on the second
                 fac = gptq_factor(fit.clone())
-                g = B.gain_of(lin.name, gains, spec.tied)
                 for b, d, c in options[lin.name]:
-                    want = g * B.relative_error(w, torch.diagonal(fit).clone(), c, held, fac)
+                    want = sens[lin.name] * B.relative_error(w, torch.diagonal(fit).clone(), c, held, fac)
                     assert d == pytest.approx(want, rel=1e-3, abs=1e-9), c.label
                     assert b == B.choice_bytes(lin.name, lin.n, lin.k, c)
             if lin.name != C.ROLE_LM_HEAD:  # the probe's own forward (bf16 products on native-bf16 CPUs)
                 cal.advance(lin.name, B._forward_weight(read(lin, 0, lin.n)))
+        without, none = B.probe(src, spec, srcs, linears, None, read)  # no calibration: the weights alone, unscaled
+        assert none == {} and set(without) == set(options)
     finally:
         src.close()
 
@@ -221,20 +221,18 @@ def test_head_partial_splits_are_priced_by_probability():
         assert c.label == f"int4 g32 + residual on {m / n:.1%} of rows"
 
 
-def test_partial_heads_are_offered_from_small_params_up(tiny, tmp_path, monkeypatch):
-    """The default conversion offers the head partial splits only from SMALL_PARAMS up (this tiny
-    model is below: none offered); with the threshold lowered they are offered beside the whole
-    encodings and the manifest records what the allocation chose. (A random model's diffuse
-    predictions never make one worth its bytes; test_split_head.py runs partial heads.)"""
-    from sparkq.convert import pipeline as P
-
+def test_partial_heads_are_offered_with_calibration(tiny, tmp_path, monkeypatch):
+    """A calibrated budget offers the head partial splits beside its whole encodings and the
+    manifest records what the allocation chose; without calibration (no probabilities) none.
+    (A random model's diffuse predictions never make one worth its bytes; test_split_head.py runs
+    partial heads.)"""
     seen = []
     real = B._partial_splits
     monkeypatch.setattr(B, "_partial_splits", lambda *a: seen.append(r := real(*a)) or r)
-    convert(str(tiny), str(tmp_path / "small"), Options(progress=False, bpw=6.0))
+    convert(str(tiny), str(tmp_path / "clip"), Options(progress=False, bpw=6.0, method="clip"))
     assert not seen
-    monkeypatch.setattr(P, "SMALL_PARAMS", 0)
-    s = convert(str(tiny), str(tmp_path / "big"), Options(progress=False, bpw=6.0))
+    s = convert(str(tiny), str(tmp_path / "gptq"), Options(progress=False, bpw=6.0))
     assert len(seen) == 1 and {c.share for _, _, c in seen[0]} >= {1 / 4}
-    head = Artifact.open(tmp_path / "big").linears["lm_head"]
+    head = Artifact.open(tmp_path / "gptq").linears["lm_head"]
     assert s["budget"]["linears"]["lm_head"]["choice"] == head.encoding
+    assert s["budget"]["linears"]["lm_head"]["sensitivity"] > 0
