@@ -44,8 +44,8 @@ def gptq_factor(h, damp: float = GPTQ_DAMP):
     H), and the mask of dead input columns that never fired). ``h`` may be a list holding H, which
     is emptied, and optionally a function that recomputes H if the factorization needs more
     damping. H is overwritten when that function is given (permuted and factored in place), else copied.
-    Peak: two K x K fp32 matrices, the factor and its inverse (the flip runs in place too), where
-    4.3 were alive before (docs/quality.md "Conversion cost")."""
+    Peak: one K x K fp32 matrix: H is factored, inverted, transposed and flipped in its own memory
+    (4.3 were alive once, two until 2026-12-05: docs/quality.md "Conversion cost")."""
     rebuild = None
     if isinstance(h, list):
         rebuild = h[1] if len(h) > 1 else None
@@ -77,10 +77,12 @@ def gptq_factor(h, damp: float = GPTQ_DAMP):
         h = diag = None
     else:
         raise ValueError("calibration Hessian is not positive definite even with damping")
-    del h, diag, d
-    inv = torch.zeros(k, k, dtype=low.dtype)
-    _lower_inverse(low, inv)
-    del low
+    del diag, d, low
+    # h's row-major memory holds U = L^T: U^-1 = (L^-1)^T in place, transposed to L^-1
+    _upper_inverse_(h)
+    _transpose(h)
+    inv = h
+    del h
     flat, n, c = inv.view(-1), k * k, 1 << 20  # flip both axes in place: reverse the row-major array
     for a in range(0, n // 2, c):
         b = min(c, n // 2 - a)
@@ -90,26 +92,29 @@ def gptq_factor(h, damp: float = GPTQ_DAMP):
     return inv, perm, dead
 
 
-INV_BLOCK = 512  # rows of L^-1 per step (the transients: two blocks of rows)
+INV_BLOCK = 512  # rows of U^-1 per step (the transients: one block row)
 
 
-def _lower_inverse(low: torch.Tensor, inv: torch.Tensor, block: int | None = None) -> None:
-    """inv <- L^-1 (row-major, zeros on entry) for a lower-triangular L given column-major
-    (``low``: the transpose view of a row-major matrix), by row blocks: from L X = I, block row I
-    of X is X_II = L_II^-1 and X_I,<I = -X_II (L_I,<I X_<I,<I), where X_<I,<I is the part already
-    computed and lower-triangular, so each product skips its zero blocks: about K^3 / 3 multiply-adds
-    (LAPACK's trtri) instead of the K^3 of a triangular solve against the whole identity, with
-    transients of one block row (measured at K = 8960: docs/quality.md "Conversion cost")."""
-    k, b = low.shape[0], block or INV_BLOCK
-    for j in range(0, k, b):
+def _upper_inverse_(u: torch.Tensor, block: int | None = None) -> None:
+    """u <- U^-1 in place for an upper-triangular U (row-major; whatever lies below its diagonal
+    is ignored and left zero), by row blocks from the bottom: with the trailing part C already
+    replaced by C^-1, block row I becomes X_II = U_II^-1 and X_I,>I = -X_II (U_I,>I C^-1), the
+    product skipping C^-1's zero blocks: about K^3 / 3 multiply-adds (LAPACK trtri's) instead of the
+    K^3 of a triangular solve against the whole identity, in U's own memory, with transients of one
+    block row (measured at K = 8960: docs/quality.md "Conversion cost")."""
+    k, b = u.shape[0], block or INV_BLOCK
+    starts = list(range(0, k, b))
+    for j in reversed(starts):
         e = min(b, k - j)
-        xii = torch.linalg.solve_triangular(low[j:j + e, j:j + e].contiguous(), torch.eye(e), upper=False)
-        inv[j:j + e, j:j + e] = xii
-        if j:
-            r = torch.empty(e, j)
-            for c in range(0, j, b):  # X_<I,<I is zero above its diagonal blocks
-                r[:, c:c + b] = low[j:j + e, c:j] @ inv[c:j, c:c + b]
-            inv[j:j + e, :j] = torch.mm(xii, r).neg_()
+        xii = torch.linalg.solve_triangular(u[j:j + e, j:j + e].triu(), torch.eye(e), upper=True)
+        if j + e < k:
+            r = torch.empty(e, k - j - e)
+            for c in range(j + e, k, b):  # C^-1 is zero below its diagonal blocks
+                c1 = min(k, c + b)
+                r[:, c - j - e:c1 - j - e] = u[j:j + e, j + e:c1] @ u[j + e:c1, c:c1]
+            u[j:j + e, j + e:] = torch.mm(xii, r).neg_()
+        u[j:j + e, j:j + e] = xii
+        u[j:j + e, :j] = 0.0
 
 
 def _permute_rows(a: np.ndarray, src: np.ndarray) -> None:

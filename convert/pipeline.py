@@ -209,7 +209,7 @@ def _write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Lin
     # core loaded), else through the dequantized float32 weight
     core = _lib() if want_deq and layout == ROWS32 and lin.kind != C.KIND_BF16 else None
     want_deq = want_deq and core is None
-    # allocated once the GPTQ factor exists: the factor's two K x K matrices are the peak
+    # allocated once the GPTQ factor exists: the factor's K x K matrix is the peak
     deq = torch.empty(lin.n, lin.k) if want_deq and lin.kind in (C.KIND_BF16, C.KIND_INT8) else None
     if lin.kind == C.KIND_BF16:
         w.begin(f"{lin.name}.weight")

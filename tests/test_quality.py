@@ -71,6 +71,26 @@ def test_gptq_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(block, m
     assert torch.equal(perm, torch.argsort(h.diagonal(), descending=True)) and not dead.any()
 
 
+def test_gptq_factor_runs_in_the_hessians_own_memory():
+    """Given H to consume (a list), the factor is returned in H's own buffer: no second K x K
+    matrix (the conversion's peak at `down`'s K = 8960 is one of them); the blocked in-place
+    inverse equals a triangular solve against the identity whatever lies below the diagonal."""
+    from sparkq.convert import gptq
+    x = _correlated(1024, 200, 3)
+    h = x.T @ x
+    ptr = h.data_ptr()
+    u, _, _ = gptq_factor([h, lambda: x.T @ x])
+    assert u.data_ptr() == ptr
+    g = torch.Generator().manual_seed(4)
+    up = torch.triu(torch.rand(200, 200, generator=g)) + 4 * torch.eye(200)
+    want = torch.linalg.solve_triangular(up.double(), torch.eye(200, dtype=torch.float64), upper=True)
+    for block in (64, 80, 512):
+        got = up + torch.tril(torch.randn(200, 200, generator=g), -1) * 9  # junk below the diagonal
+        gptq._upper_inverse_(got, block)
+        assert torch.equal(got, torch.triu(got))
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_gptq_factor_escalates_the_damping_from_the_restored_matrix():
     """An H that the default damping leaves indefinite: the factorization fails, H comes back
     (recomputed by the caller's function, or kept without one) and the next damping (0.1)
