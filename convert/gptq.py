@@ -103,8 +103,7 @@ def _upper_inverse_(u: torch.Tensor, block: int | None = None) -> None:
     K^3 of a triangular solve against the whole identity, in U's own memory, with transients of one
     block row (measured at K = 8960: docs/quality.md "Conversion cost")."""
     k, b = u.shape[0], block or INV_BLOCK
-    starts = list(range(0, k, b))
-    for j in reversed(starts):
+    for j in reversed(range(0, k, b)):
         e = min(b, k - j)
         xii = torch.linalg.solve_triangular(u[j:j + e, j:j + e].triu(), torch.eye(e), upper=True)
         if j + e < k:
