@@ -27,11 +27,9 @@ static inline __attribute__((always_inline)) void quad_codes(const uint8_t *w, c
     if (LUT) *lo = _mm512_shuffle_epi8(tab, *lo), *hi = _mm512_shuffle_epi8(tab, *hi);
 }
 
-/* the 16 lanes' integer dot products of step p's codes with one token's activations (each lane
- * over the 8 columns of one activation scale), as fp32 */
-static inline __attribute__((always_inline)) __m512 quad_dot(const sq_act *x, int64_t p, __m512i lo, __m512i hi) {
-    const __m512i xl = _mm512_loadu_si512((const void *)(x->q + 128 * p));
-    const __m512i xh = _mm512_loadu_si512((const void *)(x->q + 128 * p + 64));
+/* the 16 lanes' integer dot products of one step's codes (lo, hi) with one token's activations
+ * (xl, xh: its 128 codes of the step), each lane over the 8 columns of one activation scale, as fp32 */
+static inline __attribute__((always_inline)) __m512 quad_dot(__m512i xl, __m512i xh, __m512i lo, __m512i hi) {
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
 }
 
@@ -55,41 +53,59 @@ static inline __attribute__((always_inline)) float half_step(const uint8_t *w, c
     return hsum8(x) * s[st * (ng - 1)];
 }
 
-/* Steps [p0, p1) of one row n of int4 x quad int8 activations (VNNI; g 32, 64, or a multiple of
- * 128; for g >= 256, p0 and p1 on group boundaries) for T tokens (1..4), into acc[t]: each step's
- * codes unpacked once for all T, every token's arithmetic the single-token product's (the batched
- * decode step's bits are the decode step's). sc: the row's fp32 weight scales, one every 16
- * floats (its chunk's scales are group-major: sc[16 gi + row]). Per 128 columns one 64-byte
- * weight load, two masks, and per token two vpdpbusd, a convert and two FMAs (activation scales,
- * weight scales; g >= 256: the weight scale once per group, through a group accumulator). */
+/* Steps [p0, p1) of R rows n.. (1 or 2) of int4 x quad int8 activations (VNNI; g 32, 64, or a
+ * multiple of 128; for g >= 256, p0 and p1 on group boundaries) for T tokens (1..4), into acc[4 r +
+ * t]: each step's codes unpacked once for all T, every token's arithmetic the single-token
+ * product's (the batched decode step's bits are the decode step's). sc: row n's fp32 weight
+ * scales, one every 16 floats (its chunk's scales are group-major: sc[16 gi + row]; row n + r's at
+ * sc + r). Per 128 columns and row one 64-byte weight load, two masks, and per token two vpdpbusd,
+ * a convert and two FMAs (activation scales, weight scales; g >= 256: the weight scale once per
+ * group, through a group accumulator); two rows share each token's activation loads. */
 static inline __attribute__((always_inline)) void span_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
                                                                         int64_t n, const float *sc, int64_t ahead,
-                                                                        int64_t p0, int64_t p1, __m512 *acc, const int LUT) {
+                                                                        int64_t p0, int64_t p1, __m512 *acc, const int LUT,
+                                                                        const int R) {
     const int64_t K = L->k, G = L->g, rb = K / 2;
     const uint8_t *w = L->q + n * rb, *wa = w + ahead * rb;
-    const __m512i tab = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n))),
-                                               _mm512_set1_epi8((char)0x80))
-                            : _mm512_setzero_si512();
-    __m512i lo, hi;
+    __m512i tab[2], lo[2], hi[2];
+    for (int r = 0; r < R; r++)
+        tab[r] = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(L->lut + 16 * (n + r)))),
+                                        _mm512_set1_epi8((char)0x80))
+                     : _mm512_setzero_si512();
     if (G <= 128) { /* one step per scale vector: no group accumulator */
         const int gsh = group_shift(G);
         for (int64_t p = p0; p < p1; p++) {
-            quad_codes(w, wa, p, tab, &lo, &hi, LUT);
-            const __m512 ws = step_scales(sc, gsh, p, 16);
-            for (int t = 0; t < T; t++)
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(a + t, p, lo, hi), _mm512_loadu_ps(a[t].s8 + 16 * p)), ws, acc[t]);
+            __m512 ws[2];
+            for (int r = 0; r < R; r++) {
+                quad_codes(w + r * rb, wa + r * rb, p, tab[r], &lo[r], &hi[r], LUT);
+                ws[r] = step_scales(sc + r, gsh, p, 16);
+            }
+            for (int t = 0; t < T; t++) {
+                const __m512i xl = _mm512_loadu_si512((const void *)(a[t].q + 128 * p));
+                const __m512i xh = _mm512_loadu_si512((const void *)(a[t].q + 128 * p + 64));
+                const __m512 s8 = _mm512_loadu_ps(a[t].s8 + 16 * p);
+                for (int r = 0; r < R; r++)
+                    acc[4 * r + t] = _mm512_fmadd_ps(_mm512_mul_ps(quad_dot(xl, xh, lo[r], hi[r]), s8), ws[r], acc[4 * r + t]);
+            }
         }
     } else {
         const int64_t spg = G / 128;
         for (int64_t gi = p0 / spg; gi < p1 / spg; gi++) {
-            __m512 gacc[4];
-            for (int t = 0; t < T; t++) gacc[t] = _mm512_setzero_ps();
+            __m512 gacc[8];
+            for (int i = 0; i < 4 * R; i++) gacc[i] = _mm512_setzero_ps();
             for (int64_t p = gi * spg; p < (gi + 1) * spg; p++) {
-                quad_codes(w, wa, p, tab, &lo, &hi, LUT);
-                for (int t = 0; t < T; t++)
-                    gacc[t] = _mm512_fmadd_ps(quad_dot(a + t, p, lo, hi), _mm512_loadu_ps(a[t].s8 + 16 * p), gacc[t]);
+                for (int r = 0; r < R; r++) quad_codes(w + r * rb, wa + r * rb, p, tab[r], &lo[r], &hi[r], LUT);
+                for (int t = 0; t < T; t++) {
+                    const __m512i xl = _mm512_loadu_si512((const void *)(a[t].q + 128 * p));
+                    const __m512i xh = _mm512_loadu_si512((const void *)(a[t].q + 128 * p + 64));
+                    const __m512 s8 = _mm512_loadu_ps(a[t].s8 + 16 * p);
+                    for (int r = 0; r < R; r++)
+                        gacc[4 * r + t] = _mm512_fmadd_ps(quad_dot(xl, xh, lo[r], hi[r]), s8, gacc[4 * r + t]);
+                }
             }
-            for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(gacc[t], _mm512_set1_ps(sc[16 * gi]), acc[t]);
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++)
+                    acc[4 * r + t] = _mm512_fmadd_ps(gacc[4 * r + t], _mm512_set1_ps(sc[16 * gi + r]), acc[4 * r + t]);
         }
     }
 }
@@ -154,7 +170,7 @@ static inline __attribute__((always_inline)) void chunk_x4_a8quad_avx512(const s
                     _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
             __m512 acc[4];
             for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-            span_x4_a8quad_avx512(L, a, T, r0 + i, sc + i, ahead, 0, nq, acc, LUT);
+            span_x4_a8quad_avx512(L, a, T, r0 + i, sc + i, ahead, 0, nq, acc, LUT, 1);
             row_end_a8quad_avx512(L, a, T, y, ldy, r0 + i, sc + i, zt[0] + i, acc, LUT);
         }
         return;
@@ -165,11 +181,14 @@ static inline __attribute__((always_inline)) void chunk_x4_a8quad_avx512(const s
         for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
     for (int64_t p0 = 0; p0 < nq; p0 += span) {
         const int64_t p1 = p0 + span < nq ? p0 + span : nq;
-        for (int64_t i = 0; i < nr; i++) {
+        for (int64_t i = 0; i < nr; i += 2) {
             if (p0 == 0 && r0 + 64 < N)
-                for (int64_t gi = i * per; gi < (i + 1) * per && gi < ng; gi++)
+                for (int64_t gi = i * per; gi < (i + 2) * per && gi < ng; gi++)
                     _mm_prefetch((const char *)(L->sz + 2 * (gi * N + r0 + 48)), _MM_HINT_T0);
-            span_x4_a8quad_avx512(L, a, T, r0 + i, sc + i, ahead, p0, p1, acc[i], LUT);
+            if (i + 1 < nr)
+                span_x4_a8quad_avx512(L, a, T, r0 + i, sc + i, ahead, p0, p1, acc[i], LUT, 2);
+            else
+                span_x4_a8quad_avx512(L, a, T, r0 + i, sc + i, ahead, p0, p1, acc[i], LUT, 1);
         }
     }
     for (int64_t i = 0; i < nr; i++) row_end_a8quad_avx512(L, a, T, y, ldy, r0 + i, sc + i, zt[0] + i, acc[i], LUT);

@@ -111,8 +111,9 @@ static inline __mmask16 rows_mask(int64_t left) {
  * and scales) are 1 + 4 / 8 per token and column. Past SPAN_L1 bytes for the pass's tokens (the
  * 6144-column `down` of the 1.7B shape at T = 4: 36 KiB, more than a Zen 4 core's 32 KiB L1) a
  * 16-row chunk runs in column spans of ~SPAN_L1 / T bytes of activations, all its rows span by
- * span, each row's accumulators kept between spans: the same arithmetic in the same order, the
- * same bits. One token keeps one sequential stream per row (docs/serving.md). */
+ * span, two rows at a time sharing each token's activation loads, each row's accumulators kept
+ * between spans: the same arithmetic in the same order, the same bits. One token, and rows whose
+ * activations fit one span, keep one sequential stream per row (docs/serving.md). */
 #ifndef SPAN_L1
 #define SPAN_L1 (16 * 1024)
 #endif
