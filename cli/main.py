@@ -529,8 +529,9 @@ def bench_serve(
     per_client: int = typer.Option(2, "--per-client", help="requests each client sends in turn per level"),
     passes: int = typer.Option(3, "--passes"),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="file with one prompt per line (default: 12 shipped)"),
-    prompt_ids: int = typer.Option(0, "--prompt-ids", help="instead, prompts of this many token ids (100..999): "
-                                   "for models without a real vocabulary (sparkq synth + tools/llamacpp.py)"),
+    prompt_ids: int = typer.Option(0, "--prompt-ids", help="instead, prompts of this many token ids (100..999), new "
+                                   "ones for every level of every pass: for models without a real vocabulary (sparkq synth + "
+                                   "tools/llamacpp.py)"),
     api_key: Optional[str] = typer.Option(None, "--api-key"),
     as_json: bool = typer.Option(False, "--json"),
     plot: Optional[str] = typer.Option(None, "--plot", help="PNG: aggregate decode tok/s per level and arm"),
@@ -560,7 +561,8 @@ def bench_serve(
     plist = [line for line in path.read_text().splitlines() if line.strip()]
     if prompt_ids > 0:
         from sparkq.runtime.servebench import id_prompts
-        plist, path = id_prompts(16, prompt_ids), f"{prompt_ids} token ids"
+        # new ids for every level of every pass: no server finds them in its prompt cache
+        plist, path = (lambda p, c: id_prompts(16, prompt_ids, seed=1000 * p + c)), f"{prompt_ids} token ids, new per level"
 
     def progress(r):
         typer.echo(f"  pass {r['pass']} c={r['concurrency']} {r['arm']}: {r['agg_tok_s']:.1f} tok/s, TTFT p50 "

@@ -82,7 +82,8 @@ def _pct(xs, q):
 
 
 def id_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    """n prompts of ``length`` token ids in [100, 1000) (for servers without a real vocabulary)"""
+    """n prompts of ``length`` token ids in [100, 1000) (for servers without a real vocabulary);
+    another seed, other prompts"""
     import random
     r = random.Random(seed)
     return [[r.randrange(100, 1000) for _ in range(length)] for _ in range(n)]
@@ -121,14 +122,18 @@ def run_level(url: str, model: str, prompts: list, c: int, max_tokens: int, per_
             "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p95_ms": 1e3 * _pct(gaps, 0.95)}
 
 
-def bench(arms: dict[str, tuple[str, str]], prompts: list, levels: list[int], max_tokens: int, passes: int,
+def bench(arms: dict[str, tuple[str, str]], prompts, levels: list[int], max_tokens: int, passes: int,
           per_client: int = 2, key: str | None = None, progress=None) -> dict:
-    """arms: name -> (base URL, model id). Returns {"runs": [...], "summary": {arm: {c: medians}}}."""
+    """arms: name -> (base URL, model id); prompts: a list, or (pass, level) -> list: new prompts for
+    every level of every pass, so that no server's prompt cache finds one level's prompts in the
+    next (the arms of a level get the same ones). Returns {"runs": [...], "summary": {arm: {c:
+    medians}}}."""
     runs = []
     for p in range(passes):
         for c in levels:
+            plist = prompts(p, c) if callable(prompts) else prompts
             for name, (url, model) in arms.items():
-                r = run_level(url, model, prompts, c, max_tokens, per_client, key)
+                r = run_level(url, model, plist, c, max_tokens, per_client, key)
                 r.update(arm=name, **{"pass": p})
                 runs.append(r)
                 if progress:

@@ -448,6 +448,28 @@ def test_a_disconnect_frees_the_slot_and_a_full_queue_is_429(api):
     assert _wait(lambda: e.load()["running"] == 0 and e.stats["cancelled"] == n + 1)
 
 
+def test_bench_serve_prompts_per_level_never_meet_the_prefix_cache(api):
+    """`sparkq bench-serve --prompt-ids` gives every level of every pass new prompts: the same list
+    again is served from the prefix cache (70 tokens: a whole 64-token slice even where reuse is cut
+    to slices), fresh ones never are"""
+    from sparkq.runtime.servebench import bench
+
+    url, e = api
+
+    def fresh(p, c):
+        return [[3 + (7 * p + 31 * c + 13 * i + 5 * k) % 240 for k in range(70)] for i in range(2)]
+
+    assert _wait(lambda: e.load()["running"] == 0)
+    c0 = e.stats["cached"]
+    r = bench({"tiny": (url, "tiny")}, fresh(9, 9), [1, 2], 3, 2, per_client=1)
+    assert len(r["runs"]) == 4 and all(x["errors"] == 0 and x["tokens"] == 3 * x["concurrency"] for x in r["runs"])
+    c1 = e.stats["cached"]
+    assert c1 >= c0 + 3 * 64  # the same two prompts four times: three of the six requests reuse a slot's prompt
+    r = bench({"tiny": (url, "tiny")}, fresh, [1, 2], 3, 2, per_client=1)
+    assert all(x["errors"] == 0 and x["tokens"] == 3 * x["concurrency"] for x in r["runs"])
+    assert e.stats["cached"] == c1
+
+
 # -- the CLI server under a mixed load: RSS, no torch, every well-formed answer right --
 
 def _rss_mib(pid):
