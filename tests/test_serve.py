@@ -449,9 +449,9 @@ def test_a_disconnect_frees_the_slot_and_a_full_queue_is_429(api):
 
 
 def test_bench_serve_prompts_per_level_never_meet_the_prefix_cache(api):
-    """`sparkq bench-serve --prompt-ids` gives every level of every pass new prompts: the same list
-    again is served from the prefix cache (70 tokens: a whole 64-token slice even where reuse is cut
-    to slices), fresh ones never are"""
+    """bench() with prompts per (pass, level), as `sparkq bench-serve --prompt-ids` passes them: the
+    same list again is served from the prefix cache (70 tokens: a whole 64-token slice even where
+    reuse is cut to slices), fresh ones never are"""
     from sparkq.runtime.servebench import bench
 
     url, e = api
@@ -464,7 +464,7 @@ def test_bench_serve_prompts_per_level_never_meet_the_prefix_cache(api):
     r = bench({"tiny": (url, "tiny")}, fresh(9, 9), [1, 2], 3, 2, per_client=1)
     assert len(r["runs"]) == 4 and all(x["errors"] == 0 and x["tokens"] == 3 * x["concurrency"] for x in r["runs"])
     c1 = e.stats["cached"]
-    assert c1 >= c0 + 3 * 64  # the same two prompts four times: three of the six requests reuse a slot's prompt
+    assert c1 >= c0 + 4 * 64  # of the six requests all but the first of each prompt find it in a slot
     r = bench({"tiny": (url, "tiny")}, fresh, [1, 2], 3, 2, per_client=1)
     assert all(x["errors"] == 0 and x["tokens"] == 3 * x["concurrency"] for x in r["runs"])
     assert e.stats["cached"] == c1
