@@ -35,9 +35,11 @@ static inline __attribute__((always_inline)) __m512 quad_dot(__m512i xl, __m512i
 
 /* The half step after the last whole quad (K % 128 == 64, then g = 64 or 32): row w's codes of
  * blocks 4p, 4p + 1 against their quad-order activations through 256-bit VNNI, times the
- * activation scales, 8 lanes */
-static inline __attribute__((always_inline)) __m256 half_step_x(const uint8_t *w, const int8_t *xq, const float *s8,
-                                                                int64_t p, __m512i tab, const int LUT) {
+ * activation scales and the weight scales s[st * group] (g = 64: the one group's scale times the
+ * sum; g = 32: lanes 0-3 the next-to-last group's, 4-7 the last's, before the sum). */
+static inline __attribute__((always_inline)) float half_step(const uint8_t *w, const int8_t *xq, const float *s8,
+                                                             int64_t p, __m512i tab, const float *s, int64_t st,
+                                                             int64_t ng, int gsh, const int LUT) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), wv = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
     __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
     if (LUT) {
@@ -46,29 +48,9 @@ static inline __attribute__((always_inline)) __m256 half_step_x(const uint8_t *w
     }
     __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq + 128 * p)));
     d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256((const __m256i *)(xq + 128 * p + 64)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p));
-}
-
-/* ... its sum times the weight scales s[st * group] (g = 64: the one group's scale times the sum;
- * g = 32: lanes 0-3 the next-to-last group's, 4-7 the last's, before the sum) */
-static inline __attribute__((always_inline)) float half_step(const uint8_t *w, const int8_t *xq, const float *s8,
-                                                             int64_t p, __m512i tab, const float *s, int64_t st,
-                                                             int64_t ng, int gsh, const int LUT) {
-    const __m256 x = half_step_x(w, xq, s8, p, tab, LUT);
+    const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(s8 + 16 * p));
     if (gsh == -2) return hsum8(_mm256_mul_ps(x, _mm256_set_m128(_mm_set1_ps(s[st * (ng - 1)]), _mm_set1_ps(s[st * (ng - 2)]))));
     return hsum8(x) * s[st * (ng - 1)];
-}
-
-/* ... its lanes times the weight scales (g = 32: lanes 0-3 the next-to-last group's, 4-7 the
- * last's), the upper 8 lanes zero, for the row's accumulator (its sum then takes no reduction of
- * its own) */
-static inline __attribute__((always_inline)) __m512 half_step_lanes(const uint8_t *w, const int8_t *xq, const float *s8,
-                                                                     int64_t p, __m512i tab, const float *s, int64_t st,
-                                                                     int64_t ng, int gsh, const int LUT) {
-    const __m256 x = half_step_x(w, xq, s8, p, tab, LUT);
-    const __m256 ws = gsh == -2 ? _mm256_set_m128(_mm_set1_ps(s[st * (ng - 1)]), _mm_set1_ps(s[st * (ng - 2)]))
-                                : _mm256_set1_ps(s[st * (ng - 1)]);
-    return _mm512_zextps256_ps512(_mm256_mul_ps(x, ws));
 }
 
 /* Steps [p0, p1) of R rows n.. (1 or 2) of int4 x quad int8 activations (VNNI; g 32, 64, or a
@@ -131,7 +113,7 @@ static inline __attribute__((always_inline)) void span_x4_a8quad_avx512(const sq
 /* The sums of four accumulators (lanes 0, 4, 8, 12 of the result), each by one fixed tree: lane i
  * + lane i + 8, then + 4, + 2, + 1 (the pairs _mm512_reduce_add_ps forms), so a sum does not
  * depend on which accumulators share the call: 11 operations for the four where four separate
- * reductions take ~32 (the example's four-token step 6.5-7.7 -> 5.5-6.6 ms, docs/serving.md). */
+ * reductions take ~32 (docs/serving.md "Per-row sums"). */
 static inline __attribute__((always_inline)) __m512 reduce4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee)); /* a8 | b8 */
     const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
@@ -140,9 +122,9 @@ static inline __attribute__((always_inline)) __m512 reduce4_ps(__m512 a, __m512 
     return _mm512_add_ps(h, _mm512_permute_ps(h, 0xb1));
 }
 
-/* Row n's outputs y + t * ldy from its accumulators: a last half step (K % 128 == 64, then g = 64
- * or 32) added into them, the four tokens summed by one tree whatever T is (a token's bits do not
- * depend on its batch), and zt[16 t]: token t's zero and -8 terms */
+/* Row n's outputs y + t * ldy from its accumulators, the four tokens summed by one tree whatever T
+ * is (a token's bits do not depend on its batch), a last half step (K % 128 == 64, then g = 64 or
+ * 32) through 256-bit VNNI, and zt[16 t]: token t's zero and -8 terms */
 static inline __attribute__((always_inline)) void row_end_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
                                                                         float *y, int64_t ldy, int64_t n, const float *sc,
                                                                         const float *zt, const __m512 *acc, const int LUT) {
@@ -151,14 +133,13 @@ static inline __attribute__((always_inline)) void row_end_a8quad_avx512(const sq
     const __m512i tab = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(L->lut + 16 * n))),
                                                _mm512_set1_epi8((char)0x80))
                             : _mm512_setzero_si512();
-    __m512 v[4];
-    for (int t = 0; t < 4; t++)
-        v[t] = t >= T ? _mm512_setzero_ps()
-             : K % 128 ? _mm512_add_ps(acc[t], half_step_lanes(w, a[t].q, a[t].s8, nq, tab, sc, 16, ng, group_shift(G), LUT))
-                       : acc[t];
+    const __m512 z = _mm512_setzero_ps();
     float sum[16] __attribute__((aligned(64)));
-    _mm512_store_ps(sum, reduce4_ps(v[0], v[1], v[2], v[3]));
-    for (int t = 0; t < T; t++) y[t * ldy + n] = sum[4 * t] + zt[16 * t];
+    _mm512_store_ps(sum, reduce4_ps(acc[0], T > 1 ? acc[1] : z, T > 2 ? acc[2] : z, T > 3 ? acc[3] : z));
+    for (int t = 0; t < T; t++) {
+        const float tl = K % 128 ? half_step(w, a[t].q, a[t].s8, nq, tab, sc, 16, ng, group_shift(G), LUT) : 0.f;
+        y[t * ldy + n] = sum[4 * t] + tl + zt[16 * t];
+    }
 }
 
 
