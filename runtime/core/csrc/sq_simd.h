@@ -118,6 +118,11 @@ static inline __mmask16 rows_mask(int64_t left) {
 #define SPAN_L1 (16 * 1024)
 #endif
 
+/* The AVX512 decode products prefetch their weight stream twice: rows_ahead(rb, 8192) rows on
+ * into L2 (T1), and NEAR_L1 bytes on into L1 (T0). The single T0 prefetch 8 KiB on they had
+ * before left a 1.7B-shape linear (2048 x 12288 g128, from memory, 2 threads) at 21-22 GB/s for
+ * one token where the two reach 29-43; docs/performance.md "Prefetch hints". */
+#define NEAR_L1 2048
 static inline int64_t rows_ahead(int64_t rowbytes, int64_t bytes) {
     const int64_t r = (bytes + rowbytes - 1) / rowbytes;
     return r > 2 ? r : 2;
