@@ -132,7 +132,8 @@ def format_bench_serve(r: dict) -> str:
     st = r["settings"]
     arms = list(r["summary"])
     lines = [f"sparkq bench-serve: {st['passes']} interleaved passes, medians [min..max]; {st['max_tokens']} new tokens "
-             f"per request, {st['per_client']} requests per client per level", "",
+             f"per request, {st['per_client']} requests per client per level; C-core builds: "
+             + ", ".join(f"{n} {b or 'n/a'}" for n, b in r.get("builds", {}).items()), "",
              "  | arm | streams | aggregate tok/s | vs 1 stream | vs " + arms[0] + " | TTFT p50 / p95 s | ITL p50 / p95 ms | errors |",
              "  |---|---|---|---|---|---|---|---|"]
     for n in arms:

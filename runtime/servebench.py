@@ -128,6 +128,7 @@ def bench(arms: dict[str, tuple[str, str]], prompts, levels: list[int], max_toke
     every level of every pass, so that no server's prompt cache finds one level's prompts in the
     next (the arms of a level get the same ones). Returns {"runs": [...], "summary": {arm: {c:
     medians}}}."""
+    servers = {name: server_build(url, key) for name, (url, _) in arms.items()}
     runs = []
     for p in range(passes):
         for c in levels:
@@ -148,4 +149,17 @@ def bench(arms: dict[str, tuple[str, str]], prompts, levels: list[int], max_toke
             med["agg_tok_s_range"] = [min(r["agg_tok_s"] for r in rs), max(r["agg_tok_s"] for r in rs)]
             med["errors"] = sum(r["errors"] for r in rs)
             summary[name][c] = med
-    return {"runs": runs, "summary": summary}
+    return {"runs": runs, "summary": summary, "builds": servers}
+
+
+def server_build(url: str, key: str | None = None) -> str | None:
+    """The C-core build a sparkq server runs (its /health "build"); None for other servers."""
+    u = urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
+        conn.request("GET", u.path.rstrip("/") + "/health", headers={"Authorization": f"Bearer {key}"} if key else {})
+        body = json.loads(conn.getresponse().read())
+        conn.close()
+    except (OSError, ValueError):
+        return None
+    return body.get("build") if isinstance(body, dict) else None

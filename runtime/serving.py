@@ -88,6 +88,8 @@ class Engine:
         self.kept: list[tuple[list[int], int]] = [([], 0)] * self.parallel
         self.last_used, self.tick = [0] * self.parallel, 0
         self.reuse_grid = self.prefill_slice if self.session.lib.sq_prefill_bf16() else 1
+        from .core import build_name
+        self.build = build_name(self.session.lib)  # the C-core build (/health; bench-serve reports it)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in a slot: prefilling (filled < len(ids)) or decoding
         self.cv = threading.Condition()
@@ -146,7 +148,7 @@ class Engine:
     def load(self) -> dict:
         with self.cv:
             return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.parallel,
-                    "slot_tokens": self.slot_cap, **self.stats}
+                    "slot_tokens": self.slot_cap, "build": self.build, **self.stats}
 
     # -- the engine thread --
 

@@ -1,7 +1,7 @@
 """The C core (runtime/core/csrc/) against references, on every build this CPU runs.
 
-The builds (runtime/core/builds.py BUILDS): ``avx512-bf16`` (AVX512-VNNI products, AVX512-BF16
-prompt GEMM), ``avx512-vnni`` (the same, prompts through the W4A8 GEMM), ``avx2``, ``scalar``
+The builds (runtime/core/builds.py BUILDS): ``amx`` (AVX512-VNNI products, prompts on AMX tiles:
+also tests/test_amx.py), ``avx512-bf16`` (AVX512-VNNI products, AVX512-BF16 prompt GEMM), ``avx512-vnni`` (the same, prompts through the W4A8 GEMM), ``avx2``, ``scalar``
 (portable C) and ``exact`` (portable, fp32 activations: no A8). Tests parametrized with
 ``kernel_builds()`` run once per ISA build, ids naming it; a build this CPU cannot run is a
 visible skip. The W4A8 error budget the runtime promises: one product's relative error against
@@ -109,9 +109,9 @@ def test_each_build_is_what_it_names(build):
     flag would otherwise test one ISA twice and another never), and ``native`` is the most
     capable build this CPU runs."""
     lib = _lib(build)
-    assert (lib.sq_simd(), lib.sq_prefill_bf16()) == K_.EXPECT[build]
-    best = K_.host_builds()[0]
-    assert K_.resolve_variant("native") == (best if best != "scalar" else "native")
+    assert (lib.sq_simd(), lib.sq_prefill_bf16(), lib.sq_prefill_amx()) == K_.EXPECT[build]
+    # native: a build this CPU runs (which one, where several prompt GEMMs compete: test_amx.py)
+    assert K_.resolve_variant("native") in (K_.host_builds() if K_.host_builds()[0] != "scalar" else ["native"])
 
 
 def test_unknown_or_unrunnable_build_is_refused(monkeypatch):
@@ -309,6 +309,15 @@ def test_prefill_exact_build_matches_fp32_reference(tmp_path, monkeypatch):
     assert ((last - b32[-1]).abs().max() / (b16[-1] - b32[-1]).abs().max()).item() < 0.9
 
 
+def _w4a8_prompt(fast, n=30, seed=2):
+    """Token ids of an n-token prompt whose products take the W4A8 GEMM on this build: the
+    session's prefill chunk is set below the build's W4A16 threshold (sq_w4a16_min_m: 32 on
+    avx512-bf16, so 30 tokens are one chunk; 16 on amx: chunks of 15). Returns (ids, chunk)."""
+    thr = fast.lib.sq_w4a16_min_m()
+    fast.prefill_chunk = min(K_.PREFILL_CHUNK, thr - 1) if thr else K_.PREFILL_CHUNK
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)), fast.prefill_chunk
+
+
 def _c_and_torch_prefill_errors(q, t):
     """The C prefill's logits of tokens t from position 0, and per position (sorted) the max error
     of the C and the torch prefill against fp32 compute on the dequantized weights, in units of
@@ -319,8 +328,9 @@ def _c_and_torch_prefill_errors(q, t):
     b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
     b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
     c = m.forward(t, 0, last_only=False)
-    m.c_prefill = False
-    ref = m.forward(t, 0, last_only=False)
+    m.c_prefill = False  # the torch prefill in the C prefill's chunks: the same products per chunk size
+    step = m.fast.prefill_chunk if m.fast is not None else len(t)
+    ref = torch.cat([m.forward(t[i:i + step], i, last_only=False) for i in range(0, len(t), step)])
     m.c_prefill = True
 
     def err(y):
@@ -352,7 +362,8 @@ def test_g32_prompts_go_through_the_c_core(tmp_path, kernel_build, kind):
     assert ec[len(ec) // 2] < 1.6 and ec[-1] < 2.5 and ec[len(ec) // 2] <= et[len(et) // 2], (ec, et)
     steps = torch.cat([m.forward(t[i:i + 1], i) for i in range(len(t))])
     rel = ((c - steps).abs().amax(-1) / steps.abs().amax(-1)).sort().values
-    if kind == "int4" and m.fast.lib.sq_prefill_bf16():  # measured (avx512-bf16): median 1.6%, max 3.1%
+    if (kind == "int4" or m.fast.lib.sq_prefill_amx()) and m.fast.lib.sq_prefill_bf16():  # W4A16 prompts
+        # measured (avx512-bf16): median 1.6%, max 3.1%; the amx build takes lut4 to its tile GEMM too
         assert rel[len(rel) // 2] < 0.04 and rel[-1] < 0.1, rel
     else:
         assert rel[len(rel) // 2] < 1e-4 and rel[-1] < 0.03, rel
@@ -364,8 +375,8 @@ def test_g32_prompts_go_through_the_c_core(tmp_path, kernel_build, kind):
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_path, kernel_build, heads, head_dim):
     """The C prefill (AVX2: paired GEMM in tiles of 4 tokens, score tiles of 4 keys x 8 queries;
-    AVX512: 16 queries, P.V on 16 columns; 30 prompt tokens: below the bf16 GEMM's 32, so W4A8 on
-    every build) on a sliding-window model: no further from fp32 compute than the torch prefill;
+    AVX512: 16 queries, P.V on 16 columns; 30 prompt tokens in chunks below the W4A16 GEMMs'
+    thresholds (one chunk; 15 on the amx build), so W4A8 on every build) on a sliding-window model: no further from fp32 compute than the torch prefill;
     the same bits whole or in chunks; equal, up to summation order, to decode steps through the
     same cache."""
     from sparkq.runtime import load
@@ -376,8 +387,8 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     q = load(str(out), max_model_len=64, kv_dtype="bf16")  # the budgets below are the bf16 cache's
     m = q.model
     assert m.prefill_off is None and m.layer_cfg[0].window == 8
-    assert (m.fast.lib.sq_simd(), m.fast.lib.sq_prefill_bf16()) == K_.EXPECT[kernel_build]
-    t = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2))
+    assert (m.fast.lib.sq_simd(), m.fast.lib.sq_prefill_bf16(), m.fast.lib.sq_prefill_amx()) == K_.EXPECT[kernel_build]
+    t, chunk = _w4a8_prompt(m.fast, 30, seed=2)
     # both W4A8 on the same weights; the torch path also rounds to bf16 between the products
     # (measured medians: C 1.24, torch 1.48; max 2.06 and 2.56; test_families' budget is 2.5)
     c, ec, et = _c_and_torch_prefill_errors(q, t)
@@ -392,7 +403,7 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     try:
         assert torch.equal(m.forward(t, 0, last_only=False), c)
     finally:
-        m.fast.prefill_chunk = K_.PREFILL_CHUNK
+        m.fast.prefill_chunk = chunk
     assert torch.equal(torch.cat([m.forward(t[:13], 0, last_only=False), m.forward(t[13:], 13, last_only=False)]), c)
     k0, v0 = m.cache.k.clone(), m.cache.v.clone()
     steps = []
@@ -412,10 +423,10 @@ def test_prefill_agrees_with_torch_path_whole_in_chunks_and_decode_steps(tmp_pat
     assert torch.equal(m.forward(t, 0, last_only=False), c)
 
 
-@pytest.mark.parametrize("kernel_build", kernel_builds("avx512-bf16"), indirect=True)
+@pytest.mark.parametrize("kernel_build", kernel_builds("amx", "avx512-bf16"), indirect=True)
 def test_bf16_prefill_of_a_whole_model_is_closer_to_fp32_than_w4a8(tmp_path, kernel_build, monkeypatch):
     """A 48-token prompt on an AVX512-BF16 CPU: every int4 product of the C prefill goes through
-    the bf16 GEMM. Against fp32 compute on the same weights it is no further off than the W4A8
+    the bf16 GEMM (on the amx build: the tile GEMM). Against fp32 compute on the same weights it is no further off than the W4A8
     prefill of the avx512-vnni build (the bf16 prefill rounds activations to bf16 instead of int8;
     measured, in units of bf16 compute's error: median 0.73, max 1.03, against W4A8 1.24 and 1.92),
     and decode steps over the cache it wrote (W4A8 products) agree within the W4A8 budget
@@ -483,7 +494,7 @@ def test_simd_products_of_rows_ending_in_half_a_quad_agree_with_scalar(tmp_path,
     """Rows of K % 128 == 64 columns (hidden 192, intermediate 320; the example's 576): the AVX512
     products (quad order, g32 and g64) end in a 64-column half step whose weight scales are one
     group's (g64) or two (g32). Each SIMD build's decode steps agree with the portable build's from
-    the same cache, and its prompt (30 tokens: the W4A8 GEMM on every build) with its own decode
+    the same cache, and its prompt (30 tokens in W4A8-sized chunks: the W4A8 GEMM on every build) with its own decode
     steps over the cache the prompt wrote, up to summation order (the bounds of the test above; a
     prompt against another build's prompt would compare two caches: one int8 code moved early
     shifts every later position)."""
@@ -498,7 +509,7 @@ def test_simd_products_of_rows_ending_in_half_a_quad_agree_with_scalar(tmp_path,
         models[v] = load(str(out), max_model_len=64, kv_dtype="bf16").model
     nat, sca = models[build], models["scalar"]
     assert {lin.g for name, lin in nat.lin.items() if name.startswith("layers.")} == {g}
-    t = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(7))
+    t, _ = _w4a8_prompt(nat.fast, 30, seed=7)
     c = nat.forward(t, 0, last_only=False)
     k0, v0 = nat.cache.k.clone(), nat.cache.v.clone()
     steps, d = [], []

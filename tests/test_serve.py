@@ -373,6 +373,8 @@ def test_other_routes_prompt_forms_and_the_openai_client_errors(api):
     assert _raw(url, "GET", "/v1/chat/completions")[0] == 405
     code, j = _raw(url, "GET", "/health")
     assert code == 200 and j["status"] == "ok" and j["slots"] == 2
+    from sparkq.runtime.core import build_name
+    assert j["build"] == build_name(e.session.lib)  # the C-core build the engine runs
     code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode())
     assert code == 400 and "one prompt per request" in j["error"]["message"]
     code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 99999]}).encode())
@@ -468,6 +470,7 @@ def test_bench_serve_prompts_per_level_never_meet_the_prefix_cache(api):
     r = bench({"tiny": (url, "tiny")}, fresh, [1, 2], 3, 2, per_client=1)
     assert all(x["errors"] == 0 and x["tokens"] == 3 * x["concurrency"] for x in r["runs"])
     assert e.stats["cached"] == c1
+    assert r["builds"] == {"tiny": e.build}  # the server's build, from its /health
 
 
 # -- the CLI server under a mixed load: RSS, no torch, every well-formed answer right --

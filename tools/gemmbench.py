@@ -1,9 +1,11 @@
-"""Prefill products of one int4 rows32 linear: the C core's GEMMs (``sq_linear_batch``: W4A8, and
-on AVX512-BF16 CPUs the bf16 one it uses from 32 rows) vs dequantize row blocks
+"""Prefill products of one int4 (or lut4) rows32 linear: the C core's GEMMs (``sq_linear_batch`` of
+each prompt build this CPU runs: avx512-vnni W4A8, avx512-bf16 vdpbf16ps from 32 rows, amx tiles
+from 16; "tiles": the amx build's tile GEMM forced at any row count, for the crossover) vs
+dequantize row blocks
 (``sq_dequant_rows``) + torch's GEMM (fp32, or bf16 where the CPU has native bf16: what the
 torch model's dequantizing path does), on random codes of given shapes.
 
-``python tools/gemmbench.py [--rows 512] [--rounds 3] [--reps 7] [--shape K,N,G ...] [--json]``
+``python tools/gemmbench.py [--rows 512] [--rounds 3] [--reps 7] [--shape K,N,G ...] [--kind int4|lut4] [--json]``
 Each round times the arms interleaved (median of ``reps`` calls each); the table gives the
 median over rounds of GOPS (2*M*N*K per second) and of the per-round ratio. A benchmark, run
 by hand (docs/performance.md "Prompt GEMMs"); not a test. The W4A8 arm on an AVX512-BF16 CPU is
@@ -33,18 +35,21 @@ def _median_time(f, reps: int) -> float:
     return statistics.median(ts)
 
 
-def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> list[dict]:
+def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int, kind: str = "int4") -> list[dict]:
     import torch
     from sparkq.formats import constants as C
     from sparkq.runtime import core
+    from sparkq.runtime.core.builds import PROMPT_BUILDS
     from sparkq.runtime.weights import prefill_dtype
 
     torch.set_num_threads(threads)
-    lib = core.load()
-    has_bf16 = bool(lib.sq_prefill_bf16())
-    a8lib = core.load("avx512-vnni") if has_bf16 else lib  # the same build without the bf16 GEMM
-    for x in (lib, a8lib):
+    # one arm per prompt GEMM this CPU runs: each build's sq_linear_batch (amx: AMX tiles from
+    # AMX_GEMM_MIN_M rows, avx512-bf16: vdpbf16ps from 32, avx512-vnni: W4A8); elsewhere the one build
+    builds = [b for b in PROMPT_BUILDS if b in core.host_builds()] or [core.resolve_variant("native")]
+    libs = {b: core.load(b) for b in builds}
+    for x in libs.values():
         x.sq_set_threads(threads)
+    lib = next(iter(libs.values()))
     dt = prefill_dtype()  # what the torch model's dequantizing path multiplies in
     out = []
     for spec in shapes:
@@ -52,7 +57,11 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
         gen = torch.Generator().manual_seed(0)
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
         sz = (torch.rand(k // g, n, 2, generator=gen) * 0.01).to(torch.bfloat16).contiguous()
-        L = core.linear_struct(lib, core.CLinear(C.KIND_INT4, n, k, g, q, sz))
+        lut = torch.randint(-100, 100, (n, 16), dtype=torch.int8, generator=gen).sort(dim=1).values.contiguous()
+        cl = core.CLinear(C.KIND_LUT4 if kind == "lut4" else C.KIND_INT4, n, k, g, q, sz,
+                          lut=lut if kind == "lut4" else None)
+        Ls = {b: core.linear_struct(x, cl) for b, x in libs.items()}
+        L = Ls[builds[0]]
         x, y = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
         block = max(16, (1 << 20) // k // 16 * 16)  # the runtime's 1M-element scratch
         w, xd = torch.empty(min(block, n), k), x.to(dt)
@@ -66,22 +75,25 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
                 else:
                     y[:, r0:r1] = xd @ w[:r1 - r0].to(dt).t()
 
-        def c_gemm(bf16: bool):
-            use = lib if bf16 else a8lib
+        def c_gemm(b):
+            use, Lb = libs[b], Ls[b]
 
             def f():
-                use.sq_linear_batch(ctypes.byref(L), x.data_ptr(), 0, rows, y.data_ptr(), None)
+                use.sq_linear_batch(ctypes.byref(Lb), x.data_ptr(), 0, rows, y.data_ptr(), None)
             return f
 
-        arms = {"dequant": dequant, "w4a8": c_gemm(False)}
-        if has_bf16 and rows >= 32:  # sq_linear_batch takes the bf16 GEMM from 32 rows on
-            arms["bf16"] = c_gemm(True)
+        arms = {"dequant": dequant, **{b: c_gemm(b) for b in builds}}
+        if "amx" in builds:  # the tile GEMM at any row count (sq_linear_batch takes it from AMX_GEMM_MIN_M)
+            def tiles():
+                libs["amx"].sq_gemm_tiles(ctypes.byref(Ls["amx"]), x.data_ptr(), rows, y.data_ptr(), 1)
+            arms["tiles"] = tiles
         ops = 2 * rows * n * k
         ts = {a: [] for a in arms}
         for _ in range(rounds):
             for a, f in arms.items():
                 ts[a].append(_median_time(f, reps))
-        r = {"k": k, "n": n, "group": g, "rows": rows, "dequant_dtype": str(dt).replace("torch.", "")}
+        r = {"k": k, "n": n, "group": g, "kind": kind, "rows": rows, "threads": threads,
+             "dequant_dtype": str(dt).replace("torch.", ""), "builds": builds}
         for a in arms:
             r[f"{a}_gops"] = ops / statistics.median(ts[a]) / 1e9
             if a != "dequant":
@@ -95,25 +107,22 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int) -> l
 def main(shape: list[str] = typer.Option(SHAPES, "--shape", help="K,N,GROUP (repeatable)"),
          rows: int = typer.Option(512, "--rows"), rounds: int = typer.Option(3, "--rounds"),
          reps: int = typer.Option(7, "--reps"), threads: int = typer.Option(2, "--threads"),
+         kind: str = typer.Option("int4", "--kind", help="int4 or lut4"),
          as_json: bool = typer.Option(False, "--json")) -> None:
-    res = run(shape, rows, rounds, reps, threads)
+    res = run(shape, rows, rounds, reps, threads, kind)
     if as_json:
         typer.echo(json.dumps(res, indent=1))
         return
-    bf16 = "bf16_gops" in res[0]  # AVX512-BF16 CPU and >= 32 rows
-    typer.echo(f"prefill products at {rows} rows, {threads} threads, {rounds} interleaved rounds x {reps} calls; "
+    builds = res[0]["builds"] + (["tiles"] if "tiles_gops" in res[0] else [])
+    typer.echo(f"{kind} prefill products at {rows} rows, {threads} threads, {rounds} interleaved rounds x {reps} calls; "
                f"ratios are against dequantize + {res[0]['dequant_dtype']} torch GEMM\n")
-    head = "| K | N | group | dequant + torch GEMM GOPS | W4A8 GEMM GOPS | W4A8 / dequant [min..max] |"
-    if bf16:
-        head += " bf16 GEMM GOPS | bf16 / dequant [min..max] |"
+    head = "| K | N | group | dequant + torch GOPS |" + "".join(f" {b} GOPS | {b} / dequant [min..max] |" for b in builds)
     typer.echo(head)
     typer.echo("|---" * (head.count("|") - 1) + "|")
     for r in res:
-        line = (f"| {r['k']} | {r['n']} | {r['group']} | {r['dequant_gops']:.0f} | {r['w4a8_gops']:.0f} | "
-                f"{r['w4a8_ratio']:.2f}x [{r['w4a8_ratio_range'][0]:.2f}..{r['w4a8_ratio_range'][1]:.2f}] |")
-        if bf16:
-            line += (f" {r['bf16_gops']:.0f} | {r['bf16_ratio']:.2f}x "
-                     f"[{r['bf16_ratio_range'][0]:.2f}..{r['bf16_ratio_range'][1]:.2f}] |")
+        line = f"| {r['k']} | {r['n']} | {r['group']} | {r['dequant_gops']:.0f} |"
+        for b in builds:
+            line += f" {r[b + '_gops']:.0f} | {r[b + '_ratio']:.2f}x [{r[b + '_ratio_range'][0]:.2f}..{r[b + '_ratio_range'][1]:.2f}] |"
         typer.echo(line)
 
 

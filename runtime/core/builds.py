@@ -8,14 +8,17 @@ flags, the compiler's version and this CPU's feature flags, so a shared home dir
 runs a binary built for another CPU. The build goes to a temp name and is renamed, so
 concurrent first runs are safe.
 
-Builds (``BUILDS``), one per instruction set the C core has paths for: ``avx512-bf16``
-(AVX512-VNNI products and the AVX512-BF16 prompt GEMM), ``avx512-vnni`` (the same without the
-bf16 GEMM: prompts through the W4A8 GEMM, as on CPUs with VNNI but no BF16), ``avx2`` and
-``scalar`` (portable C), plus ``exact`` (portable, fp32 activations: no A8; tests measure the A8
-error against it). ``native``, the default, is the most capable build this CPU runs
-(``host_builds()[0]``; on a CPU without AVX2, -march=native over the portable code), so what a
-user runs is always one of the builds the tests cover. ``SPARKQ_KERNEL=<build>`` picks another
-one this CPU can run; ``SPARKQ_KERNEL=off`` turns the C core off.
+Builds (``BUILDS``), one per instruction set the C core has paths for: ``amx`` (AVX512-VNNI
+products, prompts on AMX-BF16 tiles), ``avx512-bf16`` (AVX512-VNNI products and the AVX512-BF16
+prompt GEMM), ``avx512-vnni`` (the same without the bf16 GEMM: prompts through the W4A8 GEMM, as
+on CPUs with VNNI but no BF16), ``avx2`` and ``scalar`` (portable C), plus ``exact`` (portable,
+fp32 activations: no A8; tests measure the A8 error against it). ``native``, the default, is the
+build this CPU runs fastest: where it runs several builds whose prompt GEMMs differ (amx,
+avx512-bf16, avx512-vnni) the choice is measured once per CPU, compiler and sources (native.py)
+and cached beside the builds; elsewhere it is the most capable build (``host_builds()[0]``; on a
+CPU without AVX2, -march=native over the portable code). So what a user runs is always one of the
+builds the tests cover. ``SPARKQ_KERNEL=<build>`` picks another one this CPU can run;
+``SPARKQ_KERNEL=off`` turns the C core off.
 """
 from __future__ import annotations
 
@@ -38,19 +41,25 @@ class KernelUnavailable(RuntimeError):
 # build -> (compiler flags, the /proc/cpuinfo flags a CPU needs to run it). The SIMD builds
 # start from -march=native and switch off what the build must not use: avx2 on an AVX512 CPU
 # runs exactly the code an AVX2-only CPU gets, avx512-vnni the code of a CPU without BF16.
+# -DSQ_NO_AMX keeps the AMX kernels out where -march=native would allow them (a macro, not
+# -mno-amx-*: compilers before AMX reject those flags).
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 BUILDS = {
-    "avx512-bf16": (["-march=native"], (*_AVX512, "avx512_bf16")),
-    "avx512-vnni": (["-march=native", "-mno-avx512bf16"], _AVX512),
-    "avx2": (["-march=native", "-mno-avx512f"], ("avx2", "fma")),
+    "amx": (["-march=native"], (*_AVX512, "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")),
+    "avx512-bf16": (["-march=native", "-DSQ_NO_AMX"], (*_AVX512, "avx512_bf16")),
+    "avx512-vnni": (["-march=native", "-mno-avx512bf16", "-DSQ_NO_AMX"], _AVX512),
+    "avx2": (["-march=native", "-mno-avx512f", "-DSQ_NO_AMX"], ("avx2", "fma")),
     "scalar": (["-DSQ_SCALAR"], ()),
     "exact": (["-DSQ_SCALAR", "-DSQ_EXACT"], ()),
 }
 OFF = ("off", "0", "torch")  # SPARKQ_KERNEL values that turn the C core off
-ISA_BUILDS = ("avx512-bf16", "avx512-vnni", "avx2", "scalar")  # what users' CPUs run, most capable first
-# what each build's products report (sq_simd(): 3 AVX512-VNNI, 2 AVX2, 0 portable) and whether
-# its prompts take the bf16 GEMM (sq_prefill_bf16())
-EXPECT = {"avx512-bf16": (3, 1), "avx512-vnni": (3, 0), "avx2": (2, 0), "scalar": (0, 0), "exact": (0, 0)}
+ISA_BUILDS = ("amx", "avx512-bf16", "avx512-vnni", "avx2", "scalar")  # what users' CPUs run, most capable first
+PROMPT_BUILDS = ("amx", "avx512-bf16", "avx512-vnni")  # same products, other prompt GEMMs: native is measured
+# what each build's products report (sq_simd(): 3 AVX512-VNNI, 2 AVX2, 0 portable), whether its
+# prompts take a W4A16 GEMM (sq_prefill_bf16()) and whether that GEMM runs on AMX tiles
+# (sq_prefill_amx(), once the tile state is granted)
+EXPECT = {"amx": (3, 1, 1), "avx512-bf16": (3, 1, 0), "avx512-vnni": (3, 0, 0), "avx2": (2, 0, 0), "scalar": (0, 0, 0),
+          "exact": (0, 0, 0)}
 
 
 def sources() -> list[Path]:
@@ -98,6 +107,9 @@ def resolve_variant(variant: str | None = None) -> str:
         raise KernelUnavailable(f"SPARKQ_KERNEL={v} turns the C core off")
     if v == "native":
         builds = host_builds()
+        if sum(b in PROMPT_BUILDS for b in builds) > 1:
+            from .native import measured_native
+            return measured_native([b for b in builds if b in PROMPT_BUILDS])
         return builds[0] if builds[0] != "scalar" else "native"
     if v not in BUILDS:
         raise KernelUnavailable(f"SPARKQ_KERNEL={v!r} is not a build; choose native, off or one of {', '.join(BUILDS)}")
@@ -108,13 +120,13 @@ def resolve_variant(variant: str | None = None) -> str:
     return v
 
 
-def build(variant: str = "native") -> tuple[Path, float]:
-    """Compile (or find in the cache) a build's library; returns (path, seconds spent compiling)."""
-    cc = compiler()
-    if cc is None:
-        raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
-    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-lm"]
-    flags += ["-march=native"] if variant == "native" else BUILDS[variant][0]
+def _flags(variant: str) -> list[str]:
+    return ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-lm",
+            *(["-march=native"] if variant == "native" else BUILDS[variant][0])]
+
+
+def fingerprint(cc: str, flags: list[str]) -> str:
+    """A hash of every source file, the flags, the compiler's version and this CPU's flags."""
     try:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -123,7 +135,16 @@ def build(variant: str = "native") -> tuple[Path, float]:
     for p in sources():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(" ".join(flags).encode() + ver.encode() + cpu_flags().encode())
-    out = cache_dir() / f"sq-{variant}-{h.hexdigest()[:16]}.so"
+    return h.hexdigest()[:16]
+
+
+def build(variant: str = "native") -> tuple[Path, float]:
+    """Compile (or find in the cache) a build's library; returns (path, seconds spent compiling)."""
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
+    flags = _flags(variant)
+    out = cache_dir() / f"sq-{variant}-{fingerprint(cc, flags)}.so"
     if out.exists():
         return out, 0.0
     out.parent.mkdir(parents=True, exist_ok=True)

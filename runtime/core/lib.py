@@ -6,7 +6,7 @@ import os
 import sys
 
 from . import abi
-from .builds import OFF, KernelUnavailable, build, resolve_variant
+from .builds import OFF, KernelUnavailable, build, host_builds, resolve_variant
 
 _LIBS: dict[str, ctypes.CDLL] = {}
 _KINDS: dict[int, dict[str, int]] = {}  # id(lib) -> {kind name: code}
@@ -14,9 +14,11 @@ _WARNED = False
 BUILD_SECONDS: dict[str, float] = {}  # build -> seconds this process spent compiling it (0.0: cached)
 
 
-def load(variant: str | None = None) -> ctypes.CDLL:
+def load(variant: str | None = None, fallback: bool = True) -> ctypes.CDLL:
     """The library of a build (resolve_variant: the argument, $SPARKQ_KERNEL, or the best this
-    CPU runs), compiled on first use; raises KernelUnavailable."""
+    CPU runs), compiled on first use; raises KernelUnavailable. An amx build whose tile state
+    the kernel refuses is replaced by the best other build this CPU runs, with one line on
+    stderr (``fallback=False``: raised instead)."""
     variant = resolve_variant(variant)
     if variant in _LIBS:
         return _LIBS[variant]
@@ -27,6 +29,17 @@ def load(variant: str | None = None) -> ctypes.CDLL:
     except AttributeError as e:  # a library from before sq_abi_desc existed
         raise KernelUnavailable(f"{path}: {e}; delete it and run again") from None
     _KINDS[id(lib)] = abi.check(lib, path)
+    if variant == "amx":  # the tile state, once per process (csrc/gemm_amx.c)
+        rc = lib.sq_amx_init()
+        if rc:
+            why = ("the kernel refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)" if rc == -1
+                   else f"{path.name} was compiled without AMX (needs gcc >= 11 or clang >= 12)")
+            other = next((b for b in host_builds() if b != "amx"), "scalar")
+            if not fallback:
+                raise KernelUnavailable(f"{why}; choose SPARKQ_KERNEL={other}")
+            print(f"sparkq: {why}; using the {other} build", file=sys.stderr)
+            lib = _LIBS[variant] = load(other)
+            return lib
     _LIBS[variant] = lib
     return lib
 

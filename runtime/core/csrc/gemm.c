@@ -1,5 +1,5 @@
-/* The prompt products (GEMM, Y [M, N] = X [M, K] W^T): the dispatch (bf16 GEMM on AVX512-BF16
- * builds from BF16_GEMM_MIN_M tokens, the SIMD W4A8 GEMMs, the portable per-token products), the
+/* The prompt products (GEMM, Y [M, N] = X [M, K] W^T): the dispatch (the tile GEMM on the amx
+ * build from AMX_GEMM_MIN_M tokens, bf16 GEMM on AVX512-BF16 builds from BF16_GEMM_MIN_M tokens, the SIMD W4A8 GEMMs, the portable per-token products), the
  * int4 row blocks' zero terms, and row dequantization for the torch runtime's dense GEMM. */
 #ifdef SQ_AVX2
 /* rows [n0, n1) of the output for all M tokens: fp32 into Y [M, N], or, with ybf, bf16 into
@@ -81,6 +81,9 @@ static int linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64
                         void *xtbuf) {
     const int64_t K = L->k, N = L->n;
     if (L->kind == KIND_BF16 || (!Y && !ybf)) return -2;
+#ifdef SQ_AMX
+    if (is_q4(L) && M >= AMX_GEMM_MIN_M && sq_amx_on) return gemm_q4_a16_tiles_amx(L, X, x_bf16, M, Y, ybf, xtbuf);
+#endif
 #ifdef SQ_BF16
     if (L->kind == KIND_INT4 && M >= BF16_GEMM_MIN_M) return gemm_q4_a16_bf16(L, X, x_bf16, M, Y, ybf, xtbuf);
 #else

@@ -48,7 +48,7 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
     float *kf = malloc(sizeof(float) * (pos0 + T) * D), *vf = malloc(sizeof(float) * (pos0 + T) * D); /* attention_many */
     void *xt = NULL; /* the bf16 GEMM's activation tiles, shared by every product */
 #ifdef SQ_BF16
-    xt = alloc64(sizeof(uint16_t) * ((chunk + BT - 1) / BT * BT) * maxk);
+    xt = alloc64(sizeof(uint16_t) * ((chunk + 15) / 16 * 16) * maxk); /* BT (8) or the tile GEMM's 16 tokens */
     int rc = (x && xn && big && att && scr && kf && vf && xt) ? 0 : -1;
 #else
     int rc = (x && xn && big && att && scr && kf && vf) ? 0 : -1;

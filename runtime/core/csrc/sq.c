@@ -19,11 +19,12 @@
  * products (norms, RoPE, attention, activations, residual) is fp32; the KV cache is bf16, or int8
  * codes with a bf16 scale per (position, KV head) (pointwise.c writes it, attention.c reads it).
  * Prompts of >= BF16_GEMM_MIN_M tokens on AVX512-BF16 builds take a W4A16 GEMM instead
- * (gemm_bf16.c). A token's result never depends on which other tokens share its call.
+ * (gemm_bf16.c), and of >= AMX_GEMM_MIN_M tokens on the amx build a W4A16 GEMM on tiles
+ * (gemm_tiles.c), int4 and lut4. A token's result never depends on which other tokens share its call.
  *
  * Files: sq_abi.h (the structs the binding fills), sq_simd.h (ISA switches, vector helpers),
  * act.c (activation quantization), work.c (the decode workspace), gemv*.c (decode products: portable reference, AVX2, AVX512,
- * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products), pointwise.c (norms, RoPE,
+ * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products; gemm_tiles.c the tile GEMM over tile_model.c or AMX), pointwise.c (norms, RoPE,
  * activations, embedding rows), attention.c (decode and prompt attention), head.c (top-k
  * selection and exact refinement of the head's logits), step.c (workspace, sq_step, sq_head),
  * prefill.c (sq_prefill), batch.c (continuous batching: sq_step_many, sq_head_many, sq_prefill_at), gptq.c (the converter's GPTQ inner loop). Naming: <op>_<weight>_<activation>[_<isa>], e.g. gemv_q4_a8quad_avx512. */
@@ -42,6 +43,7 @@
 #include "gemm_avx2.c"
 #include "gemm_avx512.c"
 #include "gemm_bf16.c"
+#include "gemm_amx.c"
 #include "gemm.c"
 #include "pointwise.c"
 #include "head.c"

@@ -1,6 +1,7 @@
 /* What every C-core file shares: the instruction-set switches and the vector helpers.
  *
- * SQ_AVX2 (AVX2 + FMA), SQ_AVX512 (AVX512 F/BW/VL + VNNI) and SQ_BF16 (AVX512-BF16) follow the
+ * SQ_AVX2 (AVX2 + FMA), SQ_AVX512 (AVX512 F/BW/VL + VNNI), SQ_BF16 (AVX512-BF16) and SQ_AMX (AMX
+ * tiles, INT8 and BF16) follow the
  * compiler's target (-march=native, narrowed per build by runtime/core/builds.py); SQ_SCALAR forces
  * the portable C everywhere and SQ_EXACT (with it) fp32 activations (the tests' A8-free reference). */
 #ifndef SQ_SIMD_H
@@ -18,6 +19,9 @@
 #define SQ_AVX512 1 /* int4 products with VNNI (vpdpbusd), 128 columns per instruction pair */
 #if defined(__AVX512BF16__)
 #define SQ_BF16 1 /* prefill GEMM: int4 row blocks dequantized to bf16, vdpbf16ps (gemm_bf16.c) */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && !defined(SQ_NO_AMX)
+#define SQ_AMX 1 /* prefill GEMM on AMX-BF16 tiles, int4 and lut4 (gemm_tiles.c, gemm_amx.c) */
+#endif
 #endif
 #endif
 #include <immintrin.h>
