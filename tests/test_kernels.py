@@ -126,6 +126,22 @@ def test_unknown_or_unrunnable_build_is_refused(monkeypatch):
     assert K_.host_builds() == ["avx2", "scalar"] and K_.resolve_variant("native") == "avx2"
 
 
+def test_a_mistyped_build_is_one_line_exit_2_in_every_command(tiny_tied, tiny_tied_art, tmp_path):
+    """SPARKQ_KERNEL naming no build is the user's error, never a silent switch to the torch path:
+    the torch runtime (generate --torch) and the converter (its GPTQ runs in the C core) stop in
+    one line with exit 2, and the converter writes nothing."""
+    from helpers import run_cli
+
+    bad = {"SPARKQ_KERNEL": "avx9"}
+    p = run_cli("sparkq", "generate", tiny_tied_art, "hi", "--torch", "--max-new-tokens", "2", env=bad)
+    assert p.returncode == 2 and "SPARKQ_KERNEL='avx9' is not a build" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    out = tmp_path / "conv"
+    p = run_cli("spark-convert", tiny_tied, out, "--quiet", env=bad)
+    assert p.returncode == 2 and "is not a build" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("build", kernel_builds())
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_products_match_fp64_within_the_a8_budget(case, build):

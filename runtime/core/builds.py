@@ -38,6 +38,11 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
+class KernelChoiceError(KernelUnavailable):
+    """SPARKQ_KERNEL (or a build argument) names no build, or one this CPU cannot run: the user's
+    choice to fix (lib.try_load raises it as a one-line error), never a reason to fall back."""
+
+
 # build -> (compiler flags, the /proc/cpuinfo flags a CPU needs to run it). The SIMD builds
 # start from -march=native and switch off what the build must not use: avx2 on an AVX512 CPU
 # runs exactly the code an AVX2-only CPU gets, avx512-vnni the code of a CPU without BF16.
@@ -112,10 +117,10 @@ def resolve_variant(variant: str | None = None) -> str:
             return measured_native([b for b in builds if b in PROMPT_BUILDS])
         return builds[0] if builds[0] != "scalar" else "native"
     if v not in BUILDS:
-        raise KernelUnavailable(f"SPARKQ_KERNEL={v!r} is not a build; choose native, off or one of {', '.join(BUILDS)}")
+        raise KernelChoiceError(f"SPARKQ_KERNEL={v!r} is not a build; choose native, off or one of {', '.join(BUILDS)}")
     lacks = missing_features(v)
     if lacks:
-        raise KernelUnavailable(f"this CPU cannot run the {v} build (it lacks {', '.join(lacks)}); "
+        raise KernelChoiceError(f"this CPU cannot run the {v} build (it lacks {', '.join(lacks)}); "
                                 f"unset SPARKQ_KERNEL or choose one of {', '.join(host_builds())}")
     return v
 

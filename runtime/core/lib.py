@@ -6,7 +6,7 @@ import os
 import sys
 
 from . import abi
-from .builds import OFF, KernelUnavailable, build, host_builds, resolve_variant
+from .builds import OFF, KernelChoiceError, KernelUnavailable, build, host_builds, resolve_variant
 
 _LIBS: dict[str, ctypes.CDLL] = {}
 _KINDS: dict[int, dict[str, int]] = {}  # id(lib) -> {kind name: code}
@@ -45,12 +45,17 @@ def load(variant: str | None = None, fallback: bool = True) -> ctypes.CDLL:
 
 
 def try_load() -> ctypes.CDLL | None:
-    """The library, or None (with one line on stderr) when the C core is off or cannot be built."""
+    """The library, or None (with one line on stderr) when the C core is off or cannot be built.
+    A SPARKQ_KERNEL that names no build, or one this CPU cannot run, is the user's error
+    (RuntimeUserError: one line, exit 2 in every command), not a fallback."""
     global _WARNED
     if os.environ.get("SPARKQ_KERNEL", "").lower() in OFF:
         return None
     try:
         return load()
+    except KernelChoiceError as e:
+        from ..errors import RuntimeUserError
+        raise RuntimeUserError(str(e)) from None
     except (KernelUnavailable, OSError) as e:
         if not _WARNED:
             print(f"sparkq: C decode path unavailable ({e}); using the torch path", file=sys.stderr)
