@@ -208,6 +208,8 @@ def test_native_is_the_measured_fastest_and_cached(tmp_path, monkeypatch, capsys
     assert sorted(built) == sorted(cands)  # each candidate compiled (side by side) before the timing
     monkeypatch.setattr(native, "prompt_seconds", lambda lib: 1 / 0)  # the record is used: nothing is timed
     assert native.measured_native(cands) == "avx512-bf16"
+    monkeypatch.setattr(native, "_CHOSEN", {})  # a new process: from the record on disk
+    assert native.measured_native(cands) == "avx512-bf16"
 
     other = ["amx", "avx512-vnni"]  # another candidate set, another record; amx refused
     monkeypatch.setattr(native, "prompt_seconds", lambda lib: times[lib.name])

@@ -22,6 +22,7 @@ import numpy as np
 from .builds import KernelUnavailable, cache_dir, compiler, fingerprint
 
 MEASURE_M, MEASURE_K, MEASURE_N, MEASURE_G, MEASURE_REPS = 128, 2048, 2048, 128, 3
+_CHOSEN: dict[tuple, str] = {}  # (cache dir, candidates) -> build: resolved once per process
 
 
 def choice_path(candidates: list[str]):
@@ -59,11 +60,16 @@ def prompt_seconds(lib) -> float:
 
 
 def measured_native(candidates: list[str]) -> str:
-    """The fastest of ``candidates`` for prompts on this machine (measured once, then cached)."""
+    """The fastest of ``candidates`` for prompts on this machine (measured once, then cached; the
+    record's hash costs a compiler call, so a process resolves it once)."""
+    key = (str(cache_dir()), tuple(candidates))
+    if key in _CHOSEN:
+        return _CHOSEN[key]
     path = choice_path(candidates)
     try:
         saved = json.loads(path.read_text())
         if saved.get("build") in candidates:
+            _CHOSEN[key] = saved["build"]
             return saved["build"]
     except (OSError, ValueError, AttributeError):
         pass
@@ -95,6 +101,7 @@ def measured_native(candidates: list[str]) -> str:
     with os.fdopen(fd, "w") as f:
         json.dump(record, f, indent=1)
     os.replace(tmp, path)
+    _CHOSEN[key] = best
     return best
 
 
