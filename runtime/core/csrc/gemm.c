@@ -1,5 +1,6 @@
 /* The prompt products (GEMM, Y [M, N] = X [M, K] W^T): the dispatch (the tile GEMM on the amx
- * build from AMX_GEMM_MIN_M tokens, bf16 GEMM on AVX512-BF16 builds from BF16_GEMM_MIN_M tokens, the SIMD W4A8 GEMMs, the portable per-token products), the
+ * build from AMX_GEMM_MIN_M tokens, bf16 GEMM on AVX512-BF16 builds from BF16_GEMM_MIN_M tokens,
+ * the SIMD W4A8 GEMMs, the portable per-token products), the
  * int4 row blocks' zero terms, and row dequantization for the torch runtime's dense GEMM. */
 #ifdef SQ_AVX2
 /* rows [n0, n1) of the output for all M tokens: fp32 into Y [M, N], or, with ybf, bf16 into
