@@ -29,7 +29,7 @@ import torch
 from sparkq.formats import constants as C
 from sparkq.formats.layout import dequantize_codes, dequantize_codes_lut
 from sparkq.formats.manifest import encoding_label
-from sparkq.formats.spec import linear_tensors, role_of
+from sparkq.formats.kinds import linear_tensors, role_of
 
 from .calib import gram
 from .headrows import SHARES, coverage, mean_probability, share_rows
@@ -258,7 +258,7 @@ def _forward_weight(w: torch.Tensor) -> torch.Tensor:
     """The weight the probe's forward moves through: the source's own bf16 values, multiplied in
     bf16 (fp32 sums) on CPUs with native bf16, where that GEMM is 1.6-3.5x float32's at these
     shapes (docs/quality.md "Conversion cost"); else float32."""
-    from sparkq.runtime.weights import prefill_dtype
+    from sparkq.runtime.torchrt.layers import prefill_dtype
 
     return w.to(torch.bfloat16) if prefill_dtype() == torch.bfloat16 else w.float()
 

@@ -7,12 +7,11 @@ later layers are calibrated on what the quantized model really computes (the seq
 variant of GPTQ). Only the current activations (tokens x hidden, fp32) and one linear's
 weight live in memory at a time; the model is never materialised.
 
-The math mirrors the runtime's decoder (RMSNorm with optional offset, SwiGLU/GeGLU,
-rotate-half RoPE per layer type, causal attention with sliding windows, qk norm, qkv
-bias, sandwich norms, embedding scale) in fp32; the two never import each other, so the
-shared definitions (RoPE frequencies, shapes) live in ``sparkq.formats.spec``. The quantized
-linears' products are the C core's prompt products on the packed weight (``CoreLinear``: what
-the runtime computes) where the core is loaded, else float32 GEMMs on the dequantized weight.
+The layer math is the torch runtime's own (``sparkq.runtime.torchrt.layers``: norms, RoPE,
+attention with windows, the gated MLP, sandwich norms, embedding scale), run here in fp32 over
+whole windows; RoPE tables come from ``sparkq.formats.rope``. The quantized linears' products are
+the C core's prompt products on the packed weight (``CoreLinear``: what the runtime computes)
+where the core is loaded, else float32 GEMMs on the dequantized weight.
 """
 from __future__ import annotations
 
@@ -20,12 +19,13 @@ import hashlib
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from sparkq.formats import constants as C
-from sparkq.formats.spec import ModelSpec, rope_attention_factor, rope_inv_freq
+from sparkq.formats.spec import ModelSpec
+from sparkq.runtime.torchrt.layers import Layers, attend, rope_cos_sin, rotate
 
+from .ccore import CoreLinear
+from .ccore import lib as core_lib
 from .errors import ConvertError
 
 SEQ_LEN = 512
@@ -95,9 +95,7 @@ def gram(x: torch.Tensor, use_c: bool = True) -> torch.Tensor:
     reference."""
     k, b = x.shape[1], GRAM_BLOCK
     if x.dtype == torch.bfloat16 and use_c:
-        from .gptq import _lib
-
-        lib, h = _lib(), torch.empty(k, k)
+        lib, h = core_lib(), torch.empty(k, k)
         x = x.contiguous()
         rc = -2 if lib is None else lib.sq_gram_bf16(x.data_ptr(), x.shape[0], k, h.data_ptr())
         if rc == -1:
@@ -121,48 +119,12 @@ def gram(x: torch.Tensor, use_c: bool = True) -> torch.Tensor:
     return h
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x * (1.0 + w) if offset else x * w
-
-
 class RowBlocks:
     """A weight [N, K] that is read ``block`` rows at a time (``rows(r0, r1)``, float32), for a
     product that never holds it whole (the key scaling's forward of the source model)."""
 
     def __init__(self, rows, n: int, k: int, block: int):
         self.rows, self.shape, self.block = rows, (n, k), block
-
-
-class CoreLinear:
-    """A quantized linear as the artifact stores it (rows32 int4 / lut4 codes with their scales and
-    zeros and levels, or int8 rows with their scales), multiplied by the C core's prompt products
-    (``sq_linear_batch``): the calibration moves forward through what the runtime computes, several
-    times faster than a float32 GEMM over the dequantized weight (docs/quality.md "Conversion
-    cost"), and the packed weight is an eighth of that float copy."""
-
-    def __init__(self, lib, kind: str, n: int, k: int, q: np.ndarray, sz: torch.Tensor, g: int = 0,
-                 lut: torch.Tensor | None = None):
-        from sparkq.runtime.core.abi import SqLinear
-        from sparkq.runtime.core.lib import kind_code
-
-        q, sz = np.ascontiguousarray(q), sz.contiguous()
-        lut = None if lut is None else lut.contiguous()
-        self.lib, self.shape = lib, (n, k)
-        self.keep = (q, sz, lut)  # the buffers the descriptor points into
-        self.desc = SqLinear(q=q.ctypes.data, sz=sz.data_ptr(), kind=kind_code(lib, kind), n=n, k=k, g=g,
-                             lut=None if lut is None else lut.data_ptr())
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x (float32 or bf16 [M, K]) @ W^T -> float32 [M, N]."""
-        import ctypes
-
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], self.shape[0])
-        if self.lib.sq_linear_batch(ctypes.byref(self.desc), x.data_ptr(), int(x.dtype == torch.bfloat16),
-                                    x.shape[0], y.data_ptr(), None):
-            raise MemoryError("the C core could not allocate the calibration product's buffers")
-        return y
 
 
 def _mm(x: torch.Tensor, w) -> torch.Tensor:
@@ -195,30 +157,42 @@ class Calibration:
         rows = torch.cat([source.read_rows(embed_name, t, t + 1) for t in uniq.tolist()]).float()
         self.x = rows[inverse]
         if spec.embed_scale:
-            self.x *= torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16).float()
+            self.x *= Layers(spec, None).embed_scale().float()
         self.inp: torch.Tensor | None = None  # input of the next linear
         self.inp_of: str | None = None  # the linear self.inp was computed for by inputs()
         # linear name -> (sequence j, E [N, K]): that sequence's tokens see W - E there instead of W
         # (convert/sensitivity.py); the relative output error it made goes into self.rel_error
         self.errors: dict[str, tuple[int, torch.Tensor]] = {}
         self.rel_error: dict[str, float] = {}
-        pos = torch.arange(self.seq_len, dtype=torch.float32)
+        self.layers = Layers(spec, self._vec)  # the runtime's layer math (runtime/torchrt/layers.py)
         self.rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(spec.layers):
-            theta, rot, _ = spec.layer_attention(i)
             key = spec.layer_rope_key(i)
             if key not in self.rope:
-                f = torch.outer(pos, torch.from_numpy(rope_inv_freq(spec, rot, theta, i)))
-                emb = torch.cat([f, f], -1)
-                att = rope_attention_factor(spec, i)  # YaRN scales cos and sin
-                self.rope[key] = (emb.cos() * att, emb.sin() * att)
+                cos, sin = rope_cos_sin(spec, i, self.seq_len)
+                self.rope[key] = (cos[:, None, :], sin[:, None, :])
 
     def _vec(self, name: str) -> torch.Tensor:
         parts = [self.source.read_rows(p, 0, self.source.shapes[p][0]) for p in self.srcs[name]]
         return torch.cat(parts).float()
 
-    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return _rms(x, self._vec(name), self.spec.rms_eps, self.spec.norm_offset)
+    def extend(self, x: torch.Tensor) -> int:
+        """Append whole sequences (rows: a multiple of seq_len) to the stream, e.g. copies that will
+        see a perturbed weight (convert/sensitivity.py); returns the first new sequence's index."""
+        assert x.shape[0] % self.seq_len == 0, "whole sequences only"
+        first = self.seqs
+        self.x = torch.cat([self.x, x])
+        self.seqs += x.shape[0] // self.seq_len
+        return first
+
+    def set_error(self, name: str, seq: int, e: torch.Tensor) -> None:
+        """Sequence ``seq`` sees W - e at the linear ``name`` (its relative output error goes into
+        ``rel_error[name]``), for the next ``advance(name, ...)`` only."""
+        self.errors[name] = (seq, e)
+
+    def final_states(self) -> torch.Tensor:
+        """The stream after the last layer, final-normed: the head's inputs."""
+        return self.layers.final(self.x)
 
     def inputs(self, name: str) -> torch.Tensor:
         """X (float32 [tokens, K]): the inputs the linear ``name`` sees."""
@@ -228,11 +202,11 @@ class Calibration:
         if role in (C.ROLE_QKV, C.ROLE_GATE_UP) or name == C.ROLE_LM_HEAD:
             self.inp = None  # before the next one is computed: one copy at a time
         if role == C.ROLE_QKV:
-            self.inp = self._norm(self.x, f"{layer}.attn_norm.weight")
+            self.inp = self.layers.attn_in(self.x, int(layer.split(".")[1]))
         elif role == C.ROLE_GATE_UP:
-            self.inp = self._norm(self.x, f"{layer}.mlp_norm.weight")
+            self.inp = self.layers.mlp_in(self.x, int(layer.split(".")[1]))
         elif name == C.ROLE_LM_HEAD:
-            self.inp = self._norm(self.x, "norm.weight")
+            self.inp = self.final_states()
         assert self.inp is not None, f"inputs({name}) out of order"
         self.inp_of = name
         return self.inp
@@ -261,8 +235,14 @@ class Calibration:
 
     def advance(self, name: str, w) -> None:
         """Move the activations through the quantized linear ``name`` (w: float32 [N, K],
-        ``RowBlocks`` read a block at a time, or the packed ``CoreLinear``)."""
-        s = self.spec
+        ``RowBlocks`` read a block at a time, or the packed ``CoreLinear``); a ``set_error`` for
+        it applies to this pass only."""
+        try:
+            self._advance(name, w)
+        finally:
+            self.errors.pop(name, None)
+
+    def _advance(self, name: str, w) -> None:
         self.inp_of = None
         layer, _, role = name.rpartition(".")
         if role not in C.LAYER_LINEARS:  # the head ends the forward: no logits needed
@@ -271,7 +251,7 @@ class Calibration:
         if role == C.ROLE_GATE_UP:  # per window: the [tokens, 2*intermediate] product is the largest transient
             # the down projection's inputs, the largest activations, kept in bf16 (their Hessian and
             # product read them in float32 blocks): -150 MB peak at 1.5B, far finer than the W4A8 runtime
-            act = F.silu if s.act == "silu" else lambda g: F.gelu(g, approximate="tanh")
+            act = self.layers.act
             half = w.shape[0] // 2
             out = torch.empty(self.inp.shape[0], half, dtype=torch.bfloat16)
             if isinstance(w, RowBlocks):  # gate and up rows a block at a time: no [tokens, 2I] product
@@ -283,8 +263,7 @@ class Calibration:
                 return
             for t0 in range(0, out.shape[0], self.seq_len):
                 x = self.inp[t0:t0 + self.seq_len]
-                g, u = self.perturb(name, x, _mm(x, w), t0).chunk(2, dim=-1)
-                out[t0:t0 + self.seq_len] = act(g) * u
+                out[t0:t0 + self.seq_len] = self.layers.glu(self.perturb(name, x, _mm(x, w), t0))
             self.inp = out
             return
         if self.inp.dtype == torch.float32 or isinstance(w, CoreLinear):  # (the C core reads bf16 rows itself)
@@ -295,46 +274,21 @@ class Calibration:
             for t0 in range(0, y.shape[0], step):
                 y[t0:t0 + step] = _mm(self.inp[t0:t0 + step].float(), w)
         y = self.perturb(name, self.inp, y)
+        i = int(layer.split(".")[1])
         if role == C.ROLE_QKV:
-            if s.qkv_bias:
-                y += self._vec(f"{layer}.qkv.bias")
-            self.inp = self._attention(int(layer.split(".")[1]), y)
+            self.inp = self._attention(i, y)
         else:  # o, down: residual add
-            if s.sandwich_norms:
-                y = self._norm(y, f"{layer}.{'post_attn_norm' if role == C.ROLE_O else 'post_mlp_norm'}.weight")
-            self.x += y
+            self.x += self.layers.branch(y, i, role)  # in place: one stream alive
             self.inp = None
 
     def _attention(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
         s, n, t = self.spec, self.seqs, self.seq_len
-        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
-        q = q.reshape(n, t, s.heads, s.head_dim)
-        k = k.reshape(n, t, s.kv_heads, s.head_dim)
-        v = v.reshape(n, t, s.kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = self._norm(q, f"layers.{i}.q_norm.weight")
-            k = self._norm(k, f"layers.{i}.k_norm.weight")
-        theta, rot, window = s.layer_attention(i)
+        q, k, v = self.layers.qkv_heads(qkv.view(n, t, -1), i)
         cos, sin = self.rope[s.layer_rope_key(i)]
-        q, k = self._rotate(q, cos, sin, rot), self._rotate(k, cos, sin, rot)
-        pos = torch.arange(t)
-        mask = pos[None, :] <= pos[:, None]
-        if window is not None:
-            mask &= pos[None, :] > pos[:, None] - window
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        _, _, window = s.layer_attention(i)
         out = torch.empty(n, t, s.heads, s.head_dim)
-        grp = s.heads // s.kv_heads
-        for j in range(n):  # one window and one KV head's query group at a time bounds the score transients
-            for h in range(s.kv_heads):
-                qh = q[j, :, h * grp:(h + 1) * grp].transpose(0, 1)
-                kh, vh = k[j, :, h:h + 1].transpose(0, 1), v[j, :, h:h + 1].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qh, kh.expand(grp, -1, -1), vh.expand(grp, -1, -1), attn_mask=mask,
-                                                   scale=s.attn_scale or 1.0 / math.sqrt(s.head_dim))
-                out[j, :, h * grp:(h + 1) * grp] = o.transpose(0, 1)
+        for j in range(n):  # one window and one KV head's query group at a time bound the score transients
+            out[j] = attend(q[j].transpose(0, 1), k[j].transpose(0, 1), v[j].transpose(0, 1), 0, 0, window,
+                            self.layers.scale, per_group=True).transpose(0, 1)
         return out.view(n * t, s.q_dim)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
-        xr, h = x[..., :r], r // 2
-        rot = torch.cat([-xr[..., h:], xr[..., :h]], dim=-1)
-        out = xr * cos[:, None, :] + rot * sin[:, None, :]
-        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .ccore import lib as core_lib
 from sparkq.formats.layout import dequantize_codes
 
 # fraction of mean(diag H) added to the diagonal. 0.05, not the paper's 0.01: chosen on a
@@ -26,17 +28,6 @@ from sparkq.formats.layout import dequantize_codes
 # domain differs from the user's.
 GPTQ_DAMP = 0.05
 GPTQ_BLOCK = 128  # columns per block (a multiple of every group size)
-
-_LIB = ...  # the C core, or None (no compiler): loaded on first use
-
-
-def _lib():
-    global _LIB
-    if _LIB is ...:
-        from sparkq.runtime import core
-        _LIB = core.try_load()
-    return _LIB
-
 
 def gptq_factor(h, damp: float = GPTQ_DAMP):
     """H (float32 [K, K], sum of x x^T over calibration tokens) -> (upper Cholesky factor of
@@ -186,7 +177,7 @@ def gptq_rows(w: torch.Tensor, group_size: int, scale: torch.Tensor, zero: torch
     the rows' ascending levels ``tab`` (float32 [R, 16])."""
     r, k = w.shape
     g = group_size
-    lib = _lib() if use_c else None
+    lib = core_lib() if use_c else None
     w = w.clone()
     w[:, dead] = 0.0
     w = w[:, perm].contiguous()

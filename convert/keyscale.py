@@ -16,8 +16,20 @@ Not applied to RMSNorm with a ``(1 + w)`` offset (Gemma): ``(1 + w) 2^e - 1`` is
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from sparkq.formats import constants as C
+from sparkq.runtime.torchrt.layers import rms_norm
+from tqdm import tqdm
+
+from .quantize import CALIBRATED
+
+if TYPE_CHECKING:
+    from sparkq.formats.spec import ModelSpec
+
+    from .options import Options
+    from .source import Source
 
 from .source import read_fused_rows
 
@@ -93,7 +105,7 @@ class KeyScaling:
         if s.qk_norm:
             kn = f"layers.{i}.k_norm.weight"
             wn = torch.cat([source.read_rows(p, 0, source.shapes[p][0]) for p in self.srcs[kn]]).float()
-            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + s.rms_eps) * wn
+            k = rms_norm(k, wn, s.rms_eps)  # (no offset: unsupported() refuses it)
         _, rot, _ = s.layer_attention(i)
         e = exponents(k, rot, shared=s.qk_norm, round_up=self.round_up)
         self.layers[i] = e
@@ -129,3 +141,51 @@ class ScaledSource:
         if m is None:
             return t
         return t * m[r0:r1].view(-1, *([1] * (t.dim() - 1))).to(t.dtype)
+
+
+# -- the converter's use: whether to scale, the uncalibrated prepass, the manifest's record
+KEY_PREPASS_TOKENS = 256  # uncalibrated conversions: the key ranges' window (its activations are the pass's memory)
+
+
+def key_scaling(source: Source, spec: ModelSpec, srcs: dict, opts: Options):
+    """(KeyScaling or None, a record of why not)."""
+    from .calib import has_tokenizer
+    
+    if not opts.key_scaling:
+        return None, {"applied": False, "why": "--no-key-scaling"}
+    why = KeyScaling.unsupported(spec)
+    if why is None and opts.method not in CALIBRATED and not has_tokenizer(source):
+        why = "the source has no tokenizer.json to read calibration text with"
+    if why:
+        return None, {"applied": False, "why": why}
+    # the calibration's 8,192 tokens: exponents rounded to nearest; the uncalibrated pass's 256
+    # see smaller maxima: rounded up (docs/long-context.md, both measured on Qwen2.5-Coder-1.5B)
+    return KeyScaling(spec, srcs, round_up=opts.method not in CALIBRATED), {"applied": True}
+
+
+def key_prepass(base: Source, scaled, spec: ModelSpec, srcs: dict, scaling, opts: Options, trim_heap) -> None:
+    """The key ranges of an uncalibrated conversion: one window of the calibration text through the
+    (unquantized, scaled as it goes) source model, layer by layer, its weights read in row blocks."""
+    from .calib import Calibration, RowBlocks, calibration_ids
+    from .writers import ROW_CHUNK_ELEMS
+
+    ids, _ = calibration_ids(base, opts.calib, KEY_PREPASS_TOKENS, seq_len=KEY_PREPASS_TOKENS)
+    cal = Calibration(scaled, spec, srcs, ids[:1])
+    shapes = spec.linear_shapes()
+    for i in tqdm(range(spec.layers), desc="key ranges", disable=not opts.progress, leave=False):
+        scaling.measure(base, cal, i)
+        for role in C.LAYER_LINEARS:
+            name = f"layers.{i}.{role}"
+            if role in (C.ROLE_QKV, C.ROLE_GATE_UP):
+                cal.inputs(name)
+            n, k = shapes[name]
+            rows = lambda r0, r1, name=name: read_fused_rows(scaled, srcs[name], spec.part_rows(name), r0, r1).float()  # noqa: E731
+            cal.advance(name, RowBlocks(rows, n, k, max(64, (ROW_CHUNK_ELEMS // k) // 64 * 64)))
+            trim_heap()
+
+
+def key_record(info: dict, scaling) -> dict:
+    """The manifest's record: whether the keys were scaled, and each layer's exponents."""
+    if scaling is None:
+        return {"applied": False, "why": info["why"]}
+    return {"applied": True, "exponents": {str(i): e.tolist() for i, e in sorted(scaling.layers.items())}}

@@ -52,9 +52,9 @@ def fit_lut(w: torch.Tensor, group_size: int, importance: torch.Tensor | None = 
     codes (uint8 [R, K]) of rows w, all as the kernel reads them (bf16 scale/zero, int8 levels).
     The C core's sq_lut_fit (runtime/core/csrc/gptq.c) when it builds, else ``fit_lut_py``: the
     same iterations (float sums in other orders, so not the same bits)."""
-    from .gptq import _lib
+    from .ccore import lib as core_lib
 
-    lib = _lib() if use_c else None
+    lib = core_lib() if use_c else None
     if lib is None:
         return fit_lut_py(w, group_size, importance, iters)
     r, k = w.shape

@@ -4,7 +4,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
+
+from sparkq.formats import constants as C
 
 from .errors import ConvertError
 
@@ -60,3 +63,36 @@ def atomic_dir(out: str | os.PathLike, force: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def carry_files(source, tmp: Path) -> list[str]:
+    carried = []
+    for name, data in source.extra_files.items():
+        (tmp / name).write_bytes(data)
+        carried.append(name)
+    if source.directory is not None:
+        for name in C.TOKENIZER_FILES:
+            p = source.directory / name
+            if p.is_file() and name not in source.extra_files:
+                shutil.copyfile(p, tmp / name)
+                carried.append(name)
+    return sorted(carried)
+
+
+def heap_trimmer():
+    """A function returning the heap's free pages to the system (glibc ``malloc_trim``; a no-op
+    elsewhere), called after each linear: the conversion's 16-32 MiB transients land on the heap
+    once glibc's mmap threshold has risen, and its free chunks kept the peak RSS creeping up layer
+    by layer (1.53 -> 1.78 GB at the same step of a 1.5B model). A fixed mmap threshold instead
+    cost a page fault per 4 KiB of every transient (that run reached layer 13 of 28 at 7:00, where
+    the trimmed one passed layer 18 at 5:40; stopped, not timed to the end)."""
+    import ctypes
+    import ctypes.util
+
+    if sys.platform == "linux":
+        try:
+            trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            return lambda: trim(0)
+        except (OSError, AttributeError):
+            pass
+    return lambda: None

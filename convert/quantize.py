@@ -16,9 +16,8 @@ Methods:
 from __future__ import annotations
 
 import torch
-from sparkq.formats.layout import dequantize_codes
 
-METHODS = ("minmax", "clip", "gptq")  # plus "auto" at the command line (see pipeline.resolve_method)
+METHODS = ("minmax", "clip", "gptq")  # plus "auto" at the command line (see options.resolve_method)
 CALIBRATED = ("gptq",)  # methods that need a calibration text
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 CLIP_SHIFTS = (-0.05, 0.0, 0.05)
@@ -53,9 +52,9 @@ def quantize_rows(w: torch.Tensor, group_size: int, method: str = "minmax", fast
     r, k = w.shape
     g = group_size
     if method == "clip" and use_c:
-        from .gptq import _lib
+        from .ccore import lib as core_lib
 
-        lib = _lib()
+        lib = core_lib()
         if lib is not None:
             return _clip_c(lib, w, g, fast)
     wg = w.reshape(r, k // g, g)

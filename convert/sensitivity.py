@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from sparkq.formats import constants as C
-from sparkq.formats.spec import role_of
+from sparkq.formats.kinds import role_of
 
 TOKENS = 128  # calibration tokens of the forward (the first window's); 256 moved the values ~10%, about their noise
 LAYERS = 8  # layers sampled per role, the first and last among them; the rest interpolated
@@ -105,28 +105,23 @@ def sensitivities(source, spec, srcs, linears, ids: torch.Tensor, weight, bar=No
         rows = torch.cat([weight(embed, int(r), int(r) + 1) for r in uniq]).float()[inv]
         e = rtn_error(rows) * (cal.x.norm() / rows.norm())  # in the stream's units (embed_scale)
         rel[C.ROLE_EMBED] = float(e.pow(2).sum(dtype=torch.float64) / cal.x.pow(2).sum(dtype=torch.float64))
-        seq_of[C.ROLE_EMBED] = cal.seqs
-        cal.x = torch.cat([cal.x, cal.x - e])
-        cal.seqs += 1
+        seq_of[C.ROLE_EMBED] = cal.extend(cal.x - e)
     for lin in layer_lins:
         i, role = int(lin.name.split(".")[1]), role_of(lin.name)
         if role == C.ROLE_QKV and i in picks:  # four copies of the clean stream join
-            for r in C.LAYER_LINEARS:
-                seq_of[f"layers.{i}.{r}"] = cal.seqs
-                cal.errors[f"layers.{i}.{r}"] = (cal.seqs, None)
-                cal.seqs += 1
-            cal.x = torch.cat([cal.x, cal.x[:t].repeat(len(C.LAYER_LINEARS), 1)])
+            first = cal.extend(cal.x[:t].repeat(len(C.LAYER_LINEARS), 1))
+            for j, r in enumerate(C.LAYER_LINEARS):
+                seq_of[f"layers.{i}.{r}"] = first + j
         cal.inputs(lin.name)
         w = weight(lin, 0, lin.n)
-        if lin.name in cal.errors:
-            cal.errors[lin.name] = (cal.errors[lin.name][0], rtn_error(w))
+        if lin.name in seq_of:
+            cal.set_error(lin.name, seq_of[lin.name], rtn_error(w))
         cal.advance(lin.name, w)
-        cal.errors.pop(lin.name, None)
         if bar is not None:
             bar.update(1)
     rel.update(cal.rel_error)
     seq_of[C.ROLE_LM_HEAD] = cal.seqs
-    x = cal._norm(cal.x, "norm.weight")
+    x = cal.final_states()
     del cal
     kls, rel[C.ROLE_LM_HEAD] = _kls(torch.cat([x, x[:t]]), t, spec, lambda r0, r1: weight(head, r0, r1), head.n,
                                     seq_of[C.ROLE_LM_HEAD])

@@ -10,7 +10,8 @@ import torch
 from tqdm import tqdm
 
 from sparkq.formats import constants as C
-from sparkq.formats.spec import ModelSpec, builtin_recipes
+from sparkq.formats.recipe import builtin_recipes
+from sparkq.formats.spec import ModelSpec
 from sparkq.formats.tensorfile import TensorFileWriter
 
 from .errors import ConvertError

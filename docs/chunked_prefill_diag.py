@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import dequant_reference, make_llama  # noqa: E402
 from sparkq.convert.pipeline import Options, convert  # noqa: E402
 from sparkq.runtime import load  # noqa: E402
-from sparkq.runtime.model import rms_norm  # noqa: E402
+from sparkq.runtime.torchrt.layers import rms_norm  # noqa: E402
 
 heads, hd = int(sys.argv[1]), (None if sys.argv[2] == "None" else int(sys.argv[2]))
 tmp = Path(sys.argv[3] if len(sys.argv) > 3 else "/tmp/sparkq-diag") / f"m{heads}-{hd}"

@@ -8,7 +8,8 @@ from . import constants
 from .artifact import Artifact, ArtifactError
 from .layout import LAYOUTS, LayoutError, host_layout
 from .manifest import LinearEntry, Manifest, ManifestError
-from .spec import ModelSpec, Recipe, SpecError, recipe_for_config
+from .recipe import Recipe, SpecError, recipe_for_config
+from .spec import ModelSpec
 
 __all__ = ["constants", "Artifact", "ArtifactError", "LinearEntry", "Manifest", "ManifestError", "LAYOUTS",
            "LayoutError", "host_layout", "ModelSpec", "Recipe", "SpecError", "recipe_for_config"]

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,9 +21,11 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used
     import torch
 
 from . import constants as C
-from .layout import LAYOUTS, ROWS32
+from .layout import LAYOUTS
 from .manifest import LinearEntry, Manifest, ManifestError
-from .spec import ModelSpec, SpecError, builtin_recipes, linear_tensors
+from .kinds import KINDS, linear_tensors
+from .recipe import SpecError, builtin_recipes
+from .spec import ModelSpec
 from .tensorfile import TensorFileError, TensorInfo, read_header
 
 
@@ -131,9 +132,11 @@ class Artifact:
             if e is None:
                 raise ArtifactError(f"{path}: linear {name!r} missing from the manifest (config needs it); re-convert")
             g = e.group_size
-            if e.kind == C.KIND_LUT4 and m.layout != ROWS32:
-                raise ArtifactError(f"{path}: linear {name!r} is lut4, which only the rows32 layout holds; re-convert")
-            if e.kind in (C.KIND_INT4, C.KIND_LUT4) and (g not in C.GROUP_SIZES or k % g):
+            wk = KINDS[e.kind]
+            if wk.layouts is not None and m.layout not in wk.layouts:
+                raise ArtifactError(f"{path}: linear {name!r} is {e.kind}, which only the {'/'.join(wk.layouts)} layout "
+                                    "holds; re-convert")
+            if wk.grouped and (g not in C.GROUP_SIZES or k % g):
                 raise ArtifactError(f"{path}: linear {name!r} has group size {g!r}, which does not divide K={k} or is not one of {C.GROUP_SIZES}")
             if (e.n, e.k) != (n, k):
                 raise ArtifactError(f"{path}: linear {name!r} is {e.n}x{e.k} in the manifest but the config needs {n}x{k}")
@@ -263,9 +266,7 @@ class Artifact:
             b = sum(self.infos[n].nbytes for n in linear_tensors(lin.name, lin.kind, lin.n, lin.k, lin.group_size,
                                                                   lin.residual, lin.residual_rows))
             roles[lin.role] = roles.get(lin.role, 0) + b
-            key = (f"g{lin.group_size}" + ("+residual" if lin.residual else "") + ("/lut4" if lin.kind == C.KIND_LUT4 else "")) \
-                if lin.group_size else lin.kind
-            groups[key] = groups.get(key, 0) + 1
+            groups[lin.group_label] = groups.get(lin.group_label, 0) + 1
             q_params += lin.n * lin.k
             q_bytes += b
         vectors = self.spec.vector_shapes()

@@ -46,7 +46,7 @@ import numpy as np
 
 class _LazyTorch:
     """torch, imported on first use: importing sparkq.formats stays torch-free (~200 MiB of RSS),
-    which the torch-free runtime (runtime/lite.py) relies on; every function here that uses
+    which the torch-free runtime (runtime/lite/model.py) relies on; every function here that uses
     torch imports it when called."""
 
     def __getattr__(self, name):

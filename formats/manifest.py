@@ -15,7 +15,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from . import constants as C
-from .spec import FEATURES
+from .kinds import KINDS
+from .recipe import FEATURES
 
 
 def sparkq_version() -> str:
@@ -32,10 +33,7 @@ class ManifestError(ValueError):
 
 def encoding_label(kind: str, group_size: int | None, residual: bool = False, share: float | None = None) -> str:
     """share: the fraction of rows a partial split's second plane covers (None: all)."""
-    if kind in (C.KIND_INT8, C.KIND_BF16):
-        return kind
-    part = "" if share is None else f" on {share:.1%} of rows"
-    return f"{kind} g{group_size}" + (f" + residual{part}" if residual else "")
+    return KINDS[kind].label(group_size, residual, share)
 
 
 @dataclass
@@ -64,6 +62,14 @@ class LinearEntry:
         return encoding_label(self.kind, self.group_size, self.residual,
                               None if self.residual_rows is None else self.residual_rows / self.n)
 
+    @property
+    def group_label(self) -> str:
+        """The conversion summary's and inspect's group: "g128", "g64+residual", "g64/lut4", "int8"."""
+        if not self.group_size:
+            return self.kind
+        return f"g{self.group_size}" + ("+residual" if self.residual else "") + \
+            ("" if self.kind == C.KIND_INT4 else f"/{self.kind}")
+
     def to_json(self) -> dict:
         d = {"role": self.role, "kind": self.kind, "n": self.n, "k": self.k, "group_size": self.group_size,
              "sources": self.sources, "rel_error": None if self.rel_error is None else round(self.rel_error, 6)}
@@ -75,15 +81,15 @@ class LinearEntry:
 
     @classmethod
     def from_json(cls, name: str, e) -> "LinearEntry":
-        if not isinstance(e, dict) or e.get("kind") not in (C.KIND_INT4, C.KIND_LUT4, C.KIND_INT8, C.KIND_BF16) \
+        if not isinstance(e, dict) or e.get("kind") not in KINDS \
                 or type(e.get("n")) is not int or type(e.get("k")) is not int \
                 or not (e.get("group_size") is None or type(e.get("group_size")) is int) \
                 or not isinstance(e.get("sources", []), list) or type(e.get("residual", False)) is not bool \
                 or not (e.get("residual_rows") is None or type(e.get("residual_rows")) is int):
-            raise ManifestError(f"field 'linears.{name}' must be {{kind: int4|lut4|int8|bf16, n: int, k: int, "
+            raise ManifestError(f"field 'linears.{name}' must be {{kind: {'|'.join(KINDS)}, n: int, k: int, "
                                 "group_size: int|null, sources: list, residual: bool, residual_rows: int (optional)}")
         rel = e.get("rel_error")
-        grouped = e["kind"] in (C.KIND_INT4, C.KIND_LUT4)
+        grouped = KINDS[e["kind"]].grouped
         return cls(name, e["kind"], e["n"], e["k"], e["group_size"] if grouped else None,
                    list(e.get("sources") or []), rel if isinstance(rel, (int, float)) else None, e.get("residual", False),
                    e.get("residual_rows"))

@@ -16,8 +16,9 @@ REFINE_TOP = 8  # top logits recomputed in fp32 per position (see Model._refine_
 # a split head (formats/constants.py): the head product reads its first plane only, and this many
 # top logits per position are recomputed from both planes. Example, 2048 teacher-forced tokens,
 # KL against bf16 with the screen's top k recomputed: 0.1413 (16), 0.1385 (64), 0.1365 (256),
-# 0.1352 (1024), 0.1347 (2048), 0.1343 (4096), 0.1339 (all); the int8 head 0.1340 (scratch
-# script over the int8 artifact's hidden states, not kept; docs/quality.md "Split head")
+# 0.1352 (1024), 0.1347 (2048), 0.1343 (4096), 0.1339 (all); the int8 head 0.1340 (docs/quality.md
+# "Split head"; re-measure: `spark-convert SRC OUT --head split`, then `sparkq fidelity OUT --reference SRC
+# --corpus ../shared/corpus/wikitext2-valid.txt --tokens 2048` with this constant set per run)
 REFINE_SPLIT = 2048
 
 

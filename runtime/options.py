@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# the torch runtime's `--prefill` names for load(prefill_dequant=...) (runtime/weights.py)
+# the torch runtime's `--prefill` names for load(prefill_dequant=...) (runtime/torchrt/weights.py)
 PREFILL_MODES = {"auto": None, "kernel": False, "dequant": True}
 
 

@@ -103,8 +103,8 @@ def host_capabilities() -> list[str]:
 def dequant_reference(loaded, dtype=torch.float32):
     """The same model on dense copies of its dequantized weights (dtype), for oracles."""
     from sparkq.formats.layout import dequantize_codes, unpack
-    from sparkq.runtime.model import Model
-    from sparkq.runtime.weights import DenseLinear, Int4Linear, LutLinear
+    from sparkq.runtime.torchrt.model import Model
+    from sparkq.runtime.torchrt.weights import DenseLinear, Int4Linear, LutLinear
 
     dense = {}
     for n, lin in loaded.model.lin.items():

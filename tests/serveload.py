@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sparkq.runtime.servebench import post  # noqa: E402
+from sparkq.runtime.measure.servebench import post  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in Spanish."]
 TEXTS = ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time"]

@@ -155,7 +155,8 @@ def test_probe_estimates_are_output_errors(tiny):
     # (8e-8 relative here), and GPTQ's rounding amplifies that into 1e-3..5e-3 on some ids (seeds
     # 0 and 12 of 16 on an AVX512-BF16 host, where gram() is the C core's vdpbf16ps product).
     # gram() itself is checked against x.T @ x above.
-    from sparkq.convert.pipeline import _read_fused_rows, plan
+    from sparkq.convert.plan import plan
+    from sparkq.convert.source import read_fused_rows as _read_fused_rows
     from sparkq.convert.source import open_source
 
     src = open_source(str(tiny))

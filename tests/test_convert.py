@@ -306,7 +306,7 @@ def test_int8_head_and_clip_method(tiny_tied, tmp_path):
 
     from helpers import dequant_reference
     from sparkq.runtime import load
-    from sparkq.runtime.weights import Int8Linear
+    from sparkq.runtime.torchrt.weights import Int8Linear
     a = convert(str(tiny_tied), str(tmp_path / "h8"), Options(progress=False, head="int8"))
     art = Artifact.open(tmp_path / "h8")
     assert art.linears["lm_head"].kind == "int8" and art.infos["lm_head.qweight"].dtype == "I8"

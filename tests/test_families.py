@@ -124,7 +124,9 @@ def test_yarn_frequencies_and_scale_match_transformers(rope):
     from transformers import Qwen2Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from sparkq.formats.spec import ModelSpec, rope_attention_factor, rope_inv_freq
+    from sparkq.formats.rope import rope_attention_factor, rope_inv_freq
+
+    from sparkq.formats.spec import ModelSpec
 
     base = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=2, num_attention_heads=12,
                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=131072, rope_theta=1e6)
@@ -140,7 +142,8 @@ def test_yarn_frequencies_and_scale_match_transformers(rope):
 def test_per_layer_type_rope_scaling_in_both_config_styles():
     """Gemma3's scaling applies to its global layers only, from transformers-5 rope_parameters keyed
     by layer type and from the older rope_scaling beside rope_local_base_freq alike."""
-    from sparkq.formats.spec import ModelSpec, rope_inv_freq
+    from sparkq.formats.rope import rope_inv_freq
+    from sparkq.formats.spec import ModelSpec
 
     base = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=131072,

@@ -9,7 +9,7 @@ import torch
 
 from helpers import ROOT, run_cli
 from sparkq.runtime import load
-from sparkq.runtime.memory import ledger
+from sparkq.runtime.measure.memory import ledger
 from sparkq.runtime.procmem import resident_bytes
 
 
@@ -182,7 +182,7 @@ def test_gemmbench_runs(tmp_path):
 def test_bench_ratios_pair_the_arms_of_a_pass():
     """vs control / vs llama.cpp: the median of same-pass ratios, not a ratio of medians (a box
     that slows down in one pass slows every arm of it)."""
-    from sparkq.runtime.bench import paired_ratio
+    from sparkq.runtime.measure.bench import paired_ratio
     a, b = {"tg": {"values": [10.0, 30.0, 40.0]}}, {"tg": {"values": [5.0, 40.0, 20.0]}}
     assert paired_ratio(a, b, "tg") == 2.0  # ratios 2, 0.75, 2 (medians: 30 / 20 = 1.5)
     assert paired_ratio(a, {"tg": {"values": [5.0, 0.0, 20.0]}}, "tg") is None

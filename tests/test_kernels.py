@@ -15,7 +15,7 @@ import ctypes
 import pytest
 import torch
 
-from helpers import kernel_builds, make_llama, run_py
+from helpers import kernel_builds, make_llama, run_cli, run_py
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats.layout import ROWS32, dequantize_codes, pack_rows
 
@@ -549,26 +549,39 @@ def test_build_cache_is_keyed_and_atomic(tmp_path, monkeypatch):
     assert not [p for p in path.parent.iterdir() if p != path]  # no temp files left
 
 
-def test_no_compiler_means_torch_path_with_one_warning(tiny_tied_art, tmp_path):
-    """No cc/gcc/clang: the runtime says so once and decodes through torch, same tokens."""
-    code = f"""
-import json, torch
+def test_no_compiler_refuses_rows32_and_runs_bf16_through_torch(tiny_tied, tiny_tied_art, tmp_path):
+    """No cc/gcc/clang: a rows32 artifact (whose torch fallback crawled at 0.16 tok/s on the example)
+    is refused in one line naming what to install, on either runtime; a bf16 checkpoint still runs,
+    through torch, with one warning and the C path's tokens."""
+    code = """
+import json, sys
 from sparkq.runtime import load
-m = load({str(tiny_tied_art)!r}, max_model_len=32)
+m = load(sys.argv[1], max_model_len=32)
 out = list(m.stream_ids([5, 70, 200], max_new_tokens=5, stop_ids=[]))
-print(json.dumps({{"path": m.info.extra["decode_path"], "ids": out}}))
+print(json.dumps({"path": m.info.extra["decode_path"], "ids": out}))
 """
     env = {"PATH": str(tmp_path), "CC": "", "SPARKQ_CACHE": str(tmp_path / "empty")}
-    p = run_py(code, env=env)
-    assert p.returncode == 0, p.stderr
     import json
+    import os
+    import subprocess
+    import sys
+    run = lambda target, e=None: subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True,  # noqa: E731
+                                                text=True, env={**os.environ, **(e or {})}, timeout=600)
+    p = run(tiny_tied, env)
+    assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["path"] == "torch (C decode core unavailable)" and "no C compiler found" in p.stderr
     assert p.stderr.count("C decode path unavailable") == 1
-    with_c = run_py(code)
+    with_c = run(tiny_tied)
     assert with_c.returncode == 0, with_c.stderr
     c = json.loads(with_c.stdout.strip().splitlines()[-1])
     assert c["path"].startswith("c (") and c["ids"] == r["ids"]
+    for flag in ("--torch", "--lite"):
+        bad = run_cli("sparkq", "generate", tiny_tied_art, "hi", flag, env=env)
+        assert bad.returncode == 2 and "install a C compiler" in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    off = run_cli("sparkq", "generate", tiny_tied_art, "hi", "--torch", env={"SPARKQ_KERNEL": "off"})
+    assert off.returncode == 2 and "unset SPARKQ_KERNEL" in off.stderr and len(off.stderr.strip().splitlines()) == 1
 
 
 def test_package_ships_the_source():

@@ -1,4 +1,4 @@
-"""The torch-free runtime (runtime/lite.py) against the torch runtime on the same artifact."""
+"""The torch-free runtime (runtime/lite/model.py) against the torch runtime on the same artifact."""
 import json
 import sys
 
@@ -89,7 +89,7 @@ for line in open('/proc/self/smaps'):
         flags.append('hg' in parts[1:])
 print(flags)
 """
-    for mod in ("lite", "api"):
+    for mod in ("lite", "torchrt"):
         for env, want in (({}, True), ({"SPARKQ_THP": "0"}, False)):
             p = run_py(code.format(mod=mod, art=str(tiny_tied_art)), env=env)
             assert p.returncode == 0, p.stderr[-2000:]

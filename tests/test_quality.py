@@ -210,9 +210,11 @@ def test_calibration_moves_through_the_c_core_as_through_the_dequantized_weight(
     two-layer model, whose Hessians then agree as closely."""
     import numpy as np
 
-    from sparkq.convert.calib import Calibration, CoreLinear
+    from sparkq.convert.calib import Calibration
+    from sparkq.convert.ccore import CoreLinear
     from sparkq.convert.lut import fit_lut
-    from sparkq.convert.pipeline import _read_fused_rows, plan
+    from sparkq.convert.plan import plan
+    from sparkq.convert.source import read_fused_rows as _read_fused_rows
     from sparkq.convert.quantize import quantize_int8_rows
     from sparkq.convert.source import open_source
     from sparkq.formats.layout import dequantize_codes_lut, get_layout, pack_rows
@@ -231,7 +233,8 @@ def test_calibration_moves_through_the_c_core_as_through_the_dequantized_weight(
         w = _read_fused_rows(source, lin.sources, spec.part_rows(name), 0, lin.n).float()
         if enc == "int8":
             q, s, _, _ = quantize_int8_rows(w)
-            deq, packed = q.float() * s.float()[:, None], CoreLinear(lib, "int8", lin.n, lin.k, q.numpy(), s)
+            deq = q.float() * s.float()[:, None]
+            packed = CoreLinear(lib, "int8", lin.n, lin.k, None, {"qweight": q.numpy(), "scales": s})
         else:
             if enc == "lut4":
                 lv, sz, codes = fit_lut(w, g)
@@ -240,7 +243,8 @@ def test_calibration_moves_through_the_c_core_as_through_the_dequantized_weight(
                 codes, sz, _, _ = quantize_rows(w, g, "minmax")
                 deq, lv = dequantize_codes(codes, sz, g, torch.float32), None
             q = np.ascontiguousarray(pack_rows(codes.numpy(), get_layout("rows32"), lin.n))
-            packed = CoreLinear(lib, enc, lin.n, lin.k, q, sz, g, lv)
+            packed = CoreLinear(lib, enc, lin.n, lin.k, g, {"qweight": q, "scales_zeros": sz,
+                                                            **({} if lv is None else {"levels": lv})})
         hr, hg = ref.hessian(name), got.hessian(name)
         assert (hg - hr).abs().max() <= 0.03 * hr.abs().max(), name
         ref.advance(name, deq)
@@ -257,7 +261,8 @@ def test_calibration_forward_matches_transformers(fam, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from sparkq.convert.calib import Calibration
-    from sparkq.convert.pipeline import _read_fused_rows, plan
+    from sparkq.convert.plan import plan
+    from sparkq.convert.source import read_fused_rows as _read_fused_rows
     from sparkq.convert.source import open_source
 
     src = make_llama(tmp_path / fam, dtype=torch.float32, **FAMILIES[fam])

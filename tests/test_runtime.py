@@ -7,7 +7,7 @@ import torch
 
 from helpers import ROOT, host_capabilities, kernel_builds, run_cli, run_py
 from sparkq.runtime import RuntimeUserError, load
-from sparkq.runtime.weights import DenseLinear, Int4Linear
+from sparkq.runtime.torchrt.weights import DenseLinear, Int4Linear
 
 
 def _hf_logits(path, ids):
@@ -42,8 +42,8 @@ INT4_CHILD = r"""
 import json, sys, torch
 from sparkq.convert.pipeline import Options, convert
 from sparkq.runtime import load
-from sparkq.runtime.model import Model
-from sparkq.runtime.weights import DenseLinear
+from sparkq.runtime.torchrt.model import Model
+from sparkq.runtime.torchrt.weights import DenseLinear
 convert(%(src)r, %(out)r, Options(progress=False, target=%(cap)r))
 res = {}
 ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
@@ -92,9 +92,9 @@ def rss():
         if l.startswith(('RssAnon', 'RssFile')):
             k, v = l.split(':'); d[k] = int(v.split()[0]) * 1024
     return d
-import torch, sparkq.runtime.api  # the modules load() uses, imported before measuring
+import torch, sparkq.runtime.torchrt.api  # the modules load() uses, imported before measuring
 before = rss()
-m = sparkq.runtime.api.load({str(example_art)!r}, kv_budget_mib=1)
+m = sparkq.runtime.torchrt.api.load({str(example_art)!r}, kv_budget_mib=1)
 after = rss()
 wpath = os.path.realpath(os.path.join({str(example_art)!r}, C.WEIGHTS_FILE))
 regions = []
@@ -202,8 +202,8 @@ def test_example_prefill_arms_agree(example_art, kernel_build):
     reference has the two tokens nearly tied (on this text the second token's top two are
     0.04 apart: the arms pick either)."""
     from sparkq.formats.layout import dequantize_codes, unpack
-    from sparkq.runtime.model import Model
-    from sparkq.runtime.weights import KERNEL_MAX_ROWS
+    from sparkq.runtime.torchrt.model import Model
+    from sparkq.runtime.torchrt.weights import KERNEL_MAX_ROWS
     # text the fixture's artifact never saw (minmax: no calibration); only the arithmetic is compared
     corpus = ROOT / "convert" / "data" / "calibration.txt"
     on, auto = load(str(example_art), prefill_dequant=True), load(str(example_art))

@@ -7,7 +7,9 @@ import torch
 from helpers import make_llama
 from sparkq.convert import sensitivity as S
 from sparkq.convert.calib import Calibration
-from sparkq.convert.pipeline import Options, _read_fused_rows, plan
+from sparkq.convert.pipeline import Options
+from sparkq.convert.plan import plan
+from sparkq.convert.source import read_fused_rows as _read_fused_rows
 from sparkq.convert.source import open_source
 from sparkq.formats import constants as C
 
@@ -41,7 +43,7 @@ def test_rtn_error_is_the_int4_rounding_error():
 
 
 def _logprobs(cal, spec, head_w):
-    return (cal._norm(cal.x, "norm.weight") @ head_w.T).log_softmax(-1)
+    return (cal.final_states() @ head_w.T).log_softmax(-1)
 
 
 def _direct(src, spec, linears, srcs, weight, ids, name):
@@ -70,7 +72,7 @@ def _direct(src, spec, linears, srcs, weight, ids, name):
             cal.advance(lin.name, w)
         hw = head_w
         if rounded and name == C.ROLE_LM_HEAD:
-            x = cal._norm(cal.x, "norm.weight")
+            x = cal.final_states()
             rel = float((x @ S.rtn_error(hw).T).pow(2).sum() / (x @ hw.T).pow(2).sum())
             hw = hw - S.rtn_error(hw)
         kls.append(_logprobs(cal, spec, hw))

@@ -1,4 +1,4 @@
-"""`sparkq serve` (runtime/server.py) over continuous batching (runtime/serving.py, csrc/batch.c):
+"""`sparkq serve` (runtime/serve/server.py) over continuous batching (runtime/serve/engine.py, csrc/batch.c):
 the batched decode step against single steps, batch invariance (a request's tokens alone = beside
 others), the OpenAI API through the real `openai` client and raw HTTP for malformed requests,
 disconnects freeing slots, and the CLI server under a mixed load (RSS, no torch)."""
@@ -119,7 +119,7 @@ def test_step_many_over_contexts_of_several_attention_blocks(serve_art, kv, kern
 
 
 def _engine(art, slots=4, **kw):
-    from sparkq.runtime.serving import Engine
+    from sparkq.runtime.serve.engine import Engine
     return Engine(_lite(art, slots), **kw)
 
 
@@ -131,7 +131,7 @@ def test_batch_invariance_a_request_decodes_the_same_alone_or_beside_others(serv
         reqs = [(tok.encode(p), {}) for p in PROMPTS] + [(tok.encode("sampled"), {"temperature": 0.9, "seed": 7})]
         alone = [e.generate(ids, 24, ignore_eos=True, **kw) for ids, kw in reqs]
         assert e.stats["max_batch"] == 1
-        from sparkq.runtime.serving import Request
+        from sparkq.runtime.serve.engine import Request
         done = [threading.Event() for _ in reqs]
         finish = [None] * len(reqs)
 
@@ -219,7 +219,7 @@ def test_prefix_cache_reuses_prompt_positions_and_changes_no_answer(serve_art, k
 def test_batch_invariance_on_the_example(example_art):
     """Real text: greedy answers of the example alone and four at a time, token for token."""
     from sparkq.runtime.lite import load
-    from sparkq.runtime.serving import Engine
+    from sparkq.runtime.serve.engine import Engine
 
     e = Engine(load(str(example_art), threads=2, slots=4, kv_budget_mib=64))
     try:
@@ -265,7 +265,7 @@ def _server(app):
 
 @pytest.fixture(scope="module")
 def api(serve_art):
-    from sparkq.runtime.server import App
+    from sparkq.runtime.serve.server import App
 
     e = _engine(serve_art, slots=2, max_queue=1)
     app = App(e, "tiny")
@@ -388,7 +388,7 @@ def test_other_routes_prompt_forms_and_the_openai_client_errors(api):
 
 def test_api_key_is_required_when_set(serve_art):
     import openai
-    from sparkq.runtime.server import App
+    from sparkq.runtime.serve.server import App
 
     e = _engine(serve_art, slots=1)
     try:
@@ -414,7 +414,7 @@ def _wait(pred, timeout=20.0):
 
 
 def test_a_disconnect_frees_the_slot_and_a_full_queue_is_429(api):
-    from sparkq.runtime.servebench import post
+    from sparkq.runtime.measure.servebench import post
 
     url, e = api
     body = {"model": "tiny", "prompt": "go", "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -454,7 +454,7 @@ def test_bench_serve_prompts_per_level_never_meet_the_prefix_cache(api):
     """bench() with prompts per (pass, level), as `sparkq bench-serve --prompt-ids` passes them: the
     same list again is served from the prefix cache (70 tokens: a whole 64-token slice even where
     reuse is cut to slices), fresh ones never are"""
-    from sparkq.runtime.servebench import bench
+    from sparkq.runtime.measure.servebench import bench
 
     url, e = api
 

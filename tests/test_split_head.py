@@ -159,7 +159,7 @@ def test_runtimes_agree_and_decode_reads_one_plane(split_pair, kernel_build):
     in full and the second for the refined rows only."""
     from sparkq.runtime import load
     from sparkq.runtime import lite
-    from sparkq.runtime.bench import decode_bytes_per_token
+    from sparkq.runtime.measure.bench import decode_bytes_per_token
     _, sp, i4 = split_pair
     ids = [5, 17, 300, 2001, 9, 44]
     a = load(str(sp), max_model_len=64)

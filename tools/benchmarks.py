@@ -80,7 +80,7 @@ def llama_ggufs(w: Path, example_gguf, log: list[str]) -> list[str]:
 
 def speed_table(res: dict) -> list[str]:
     """The decode/prefill summary: every path of both models beside llama.cpp Q4_0 (same run)."""
-    from sparkq.runtime.bench import paired_ratio
+    from sparkq.runtime.measure.bench import paired_ratio
 
     L = ["| model | path | decode tok/s [min..max] | prefill tok/s [min..max] | decode GB/s (% of read ceiling) | "
          "decode vs llama.cpp Q4_0 | prefill vs llama.cpp Q4_0 | load s | peak RSS MiB: load / run (bound) |",
@@ -193,7 +193,7 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
         import torch
 
         from sparkq.runtime import core
-        from sparkq.runtime.weights import prefill_dtype
+        from sparkq.runtime.torchrt.weights import prefill_dtype
         c_bf16 = bool(core.load().sq_prefill_bf16())  # this CPU's C prefill: bf16 GEMM or W4A8
         auto = "auto (C prefill, bf16 GEMM: W4A16, the default)" if c_bf16 else "auto (C prefill, W4A8, the default)"
         deq = "dequant (torch, bf16 activations)" if prefill_dtype() == torch.bfloat16 else "dequant (fp32 activations)"

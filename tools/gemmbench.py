@@ -40,7 +40,7 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int, kind
     from sparkq.formats import constants as C
     from sparkq.runtime import core
     from sparkq.runtime.core.builds import PROMPT_BUILDS
-    from sparkq.runtime.weights import prefill_dtype
+    from sparkq.runtime.torchrt.weights import prefill_dtype
 
     torch.set_num_threads(threads)
     # one arm per prompt GEMM this CPU runs: each build's sq_linear_batch (amx: AMX tiles from

@@ -288,7 +288,7 @@ def main(work: str = typer.Option("work", "--work"),
     from importlib.metadata import distribution
 
     from sparkq.runtime import load
-    from sparkq.runtime.fidelity import default_prompts, greedy, teacher_forced
+    from sparkq.runtime.measure.fidelity import default_prompts, greedy, teacher_forced
 
     w = Path(a.work)
     w.mkdir(exist_ok=True)

@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--summary", help="the conversion's --json summary: its budget's estimates, to compare")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from sparkq.runtime.api import load
+    from sparkq.runtime.torchrt.api import load
     from sparkq.runtime.options import LabOptions
 
     lab = LabOptions(c_decode=False, c_prefill=False)

@@ -63,6 +63,24 @@ def try_load() -> ctypes.CDLL | None:
         return None
 
 
+def require(what: str) -> ctypes.CDLL:
+    """The library for ``what``, which has no usable path without it (rows32 artifacts on the torch
+    runtime: dequantizing every weight each step decodes the example at 0.16 tok/s): one line
+    (RuntimeUserError) saying what to install or unset, never a silent crawl."""
+    from ..errors import RuntimeUserError
+
+    if os.environ.get("SPARKQ_KERNEL", "").lower() in OFF:
+        raise RuntimeUserError(f"{what} runs on sparkq's C core, which SPARKQ_KERNEL=off turns off; unset SPARKQ_KERNEL")
+    try:
+        return load()
+    except KernelChoiceError as e:
+        raise RuntimeUserError(str(e)) from None
+    except (KernelUnavailable, OSError) as e:
+        raise RuntimeUserError(f"{what} runs on sparkq's C core, which cannot be built here ({str(e).splitlines()[0]}); "
+                               "install a C compiler (apt-get install gcc, or xcode-select --install) or unset "
+                               "SPARKQ_KERNEL") from None
+
+
 def kind_code(lib, kind: str) -> int:
     """The library's code for a linear kind (formats/constants.py KIND_* names)."""
     return _KINDS[id(lib)][kind]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from sparkq.formats import constants as C
+from sparkq.formats.kinds import KINDS
 
 from ..common import REFINE_SPLIT, REFINE_TOP, check_ids
 from ..errors import RuntimeUserError
@@ -43,6 +44,14 @@ class CLinear:
     rsc: object = None
     lut: object = None  # lut4: int8 [N, 16] levels
     rmap: object = None  # a partial split: int32 [N] rows of res / rsc, -1 where it has none
+
+
+def clinear(kind: str, n: int, k: int, g: int | None, tensor, bias=None) -> CLinear:
+    """A linear of weight kind ``kind`` (formats/kinds.py) for the C core: ``tensor(suffix)`` gives
+    each of the kind's tensors (None where absent: e.g. no residual plane); the one mapper for the
+    torch-free runtime, the torch runtime and the converter's calibration."""
+    wk = KINDS[kind]
+    return CLinear(kind, n, k, (g or 0) if wk.grouped else 0, bias=bias, **{f: tensor(s) for f, s in wk.core})
 
 
 def ptr(buf) -> int | None:

@@ -150,13 +150,13 @@ static inline __attribute__((always_inline)) void row_end_a8quad_avx512(const sq
  * (K/g streams the hardware prefetcher does not follow) are prefetched 3 chunks ahead, a few
  * per row: the same prefetches issued together at the chunk's start (2 and 3 chunks ahead)
  * stalled the weight stream behind them, 5% of the whole decode step (1.7B shape, 4
- * interleaved rounds of 3 x 64 lite steps, scratch A/B script, not kept: 42.2 -> 45.7 tok/s
- * contended, 64.6 -> 66.7 quiet).
+ * interleaved rounds of 3 x 64 lite steps: 42.2 -> 45.7 tok/s contended, 64.6 -> 66.7 quiet;
+ * re-measure with `tools/stepbench.py ART --rows 1` on two checkouts' builds).
  * One row at a time: the weights are then one sequential stream per thread. Two rows sharing
  * the activation loads (before) interleaved two streams 1 row apart, which the prefetchers
- * followed worse: every body product of the 1.7B shape in step order (scratch ctypes script,
- * not kept; 3 interleaved rounds with a streaming-read probe) 27.6 -> 33.0-34.0 GB/s on one
- * thread (probe ~41), 34 -> 40 on two (probe ~49). */
+ * followed worse: every body product of the 1.7B shape in step order (3 interleaved rounds with
+ * a streaming-read probe) 27.6 -> 33.0-34.0 GB/s on one thread (probe ~41), 34 -> 40 on two
+ * (probe ~49); re-measure with `tools/gemmbench.py --rows 1` on two checkouts' builds. */
 static inline __attribute__((always_inline)) void chunk_x4_a8quad_avx512(const sq_linear *L, const sq_act *a, const int T,
                                                                          float *y, int64_t ldy, int64_t r0, int64_t r1,
                                                                          const int LUT) {
@@ -288,8 +288,8 @@ static inline __attribute__((always_inline)) void row_q8_a8_avx512(const sq_line
 }
 
 /* one row at a time (one sequential stream per thread, as the int4 rows): a 151936 x 2048 int8
- * head alone (scratch ctypes script, not kept; 2 threads, 3 interleaved rounds) 56-57 -> 78 GB/s
- * against two rows sharing the activation loads */
+ * head alone (2 threads, 3 interleaved rounds) 56-57 -> 78 GB/s against two rows sharing the
+ * activation loads (re-measure: `tools/stepbench.py ART --rows 1` on an artifact with --head int8) */
 static void gemv_q8_a8_avx512(const sq_linear *L, const sq_act *a, float *y, int64_t r0, int64_t r1) {
     const int64_t ahead = rows_ahead(L->k, 8192);
     for (int64_t n = r0; n < r1; n++) row_q8_a8_avx512(L, a, y, n, ahead);

@@ -17,7 +17,7 @@
  * term uses the unquantized x, so it carries no activation error. Int8 linears (per-row scale)
  * use the same activation scales; bf16 linears are multiplied in fp32. Everything between the
  * products (norms, RoPE, attention, activations, residual) is fp32; the KV cache is bf16, or int8
- * codes with a bf16 scale per (position, KV head) (pointwise.c writes it, attention.c reads it).
+ * codes with a bf16 scale per (position, KV head) (pointwise.c writes it, attention*.c read it).
  * Prompts of >= BF16_GEMM_MIN_M tokens on AVX512-BF16 builds take a W4A16 GEMM instead
  * (gemm_bf16.c), and of >= AMX_GEMM_MIN_M tokens on the amx build a W4A16 GEMM on tiles
  * (gemm_tiles.c), int4 and lut4. A token's result never depends on which other tokens share its call.
@@ -25,7 +25,9 @@
  * Files: sq_abi.h (the structs the binding fills), sq_simd.h (ISA switches, vector helpers),
  * act.c (activation quantization), work.c (the decode workspace), gemv*.c (decode products: portable reference, AVX2, AVX512,
  * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products; gemm_tiles.c the tile GEMM over tile_model.c or AMX), pointwise.c (norms, RoPE,
- * activations, embedding rows), attention.c (decode and prompt attention), head.c (top-k
+ * activations, embedding rows), attention*.c (attention.c decode attention: the portable reference,
+ * the dispatch and the schedule, including its block kernels attention_avx2.c / attention_avx512.c;
+ * attention_prompt.c prompt attention), head.c (top-k
  * selection and exact refinement of the head's logits), step.c (workspace, sq_step, sq_head),
  * prefill.c (sq_prefill), batch.c (continuous batching: sq_step_many, sq_head_many, sq_prefill_at), gptq.c (the converter's GPTQ inner loop). Naming: <op>_<weight>_<activation>[_<isa>], e.g. gemv_q4_a8quad_avx512. */
 #include <stddef.h>
@@ -34,7 +36,8 @@
 #include "sq_simd.h"
 
 #include "act.c"
-#include "attention.c"
+#include "attention.c" /* and its block kernels, attention_avx512.c and attention_avx2.c */
+#include "attention_prompt.c"
 #include "work.c"
 #include "gemv.c"
 #include "gemv_avx2.c"

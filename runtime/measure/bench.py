@@ -1,6 +1,6 @@
 """``sparkq bench``: decode and prefill speed, load time, TTFT and memory, as interleaved arms.
 
-Every (pass, arm) runs in a fresh child process (``python .../runtime/bench.py '<json>'``),
+Every (pass, arm) runs in a fresh child process (``python .../runtime/measure/bench.py '<json>'``),
 so load time and peak RSS are those of a cold start, and arms alternate within each pass
 (control, arm B, ..., control, arm B, ...) so drift on a shared machine hits all of them.
 Reports medians and spread (min..max), ratios to the control arm (medians of same-pass
@@ -75,7 +75,7 @@ def decode_bytes_per_token(loaded) -> int:
     """Weight bytes one decode step reads: every linear once (the head in full, a split head's
     first plane in full and its second for the refined rows), norms."""
     from sparkq.runtime.common import decode_read_bytes
-    from sparkq.runtime.memory import model_regions
+    from sparkq.runtime.measure.memory import model_regions
 
     seen, total = set(), 0
     for cat, name, t in model_regions(loaded):
@@ -131,7 +131,7 @@ def _child_sparkq(a: dict) -> dict:
 
 
 def _child_lite(a: dict) -> dict:
-    """The torch-free runtime (runtime/lite.py): the same measurements as _child_sparkq; torch is
+    """The torch-free runtime (runtime/lite/model.py): the same measurements as _child_sparkq; torch is
     never imported in this process (checked: its RSS is the point of the arm)."""
     import random
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import RuntimeUserError
-from .generate import sample
+from ..errors import RuntimeUserError
+from ..generate import sample
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
 # 64-token slice is ~0.5 s, the longest a running stream waits for a newcomer's prompt
@@ -88,7 +88,7 @@ class Engine:
         self.kept: list[tuple[list[int], int]] = [([], 0)] * self.parallel
         self.last_used, self.tick = [0] * self.parallel, 0
         self.reuse_grid = self.prefill_slice if self.session.lib.sq_prefill_bf16() else 1
-        from .core import build_name
+        from ..core import build_name
         self.build = build_name(self.session.lib)  # the C-core build (/health; bench-serve reports it)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in a slot: prefilling (filled < len(ids)) or decoding

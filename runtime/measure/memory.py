@@ -1,6 +1,6 @@
 """``sparkq memory``: where the bytes are, and how high the process peaks before it settles.
 
-Run as a fresh child process (``python .../runtime/memory.py '<json args>'``, as a script so
+Run as a fresh child process (``python .../runtime/measure/memory.py '<json args>'``, as a script so
 the package is not imported before the first stage) so the
 process view starts from a bare interpreter: stages are measured after ``import torch``,
 after ``import sparkq.runtime``, after load, after warm-up and after a generation; a
@@ -29,7 +29,7 @@ def _file_ranges() -> list[tuple[int, int, str]]:
 
 def model_regions(loaded) -> list[tuple[str, str, object]]:
     """(category, name, tensor) for every buffer the model holds."""
-    from sparkq.runtime.weights import DenseLinear, Int4Linear, Int8Linear
+    from sparkq.runtime.torchrt.weights import DenseLinear, Int4Linear, Int8Linear
 
     m = loaded.model
     out = []

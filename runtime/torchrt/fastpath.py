@@ -11,12 +11,10 @@ codes + scales: the same buffers and arithmetic in C and torch).
 """
 from __future__ import annotations
 
-import torch
-from sparkq.formats import constants as C
 from sparkq.formats.layout import ROWS32
 
-from . import core
-from .weights import DenseLinear, Int4Linear, Int8Linear, LutLinear, c_gemm_pairs
+from .. import core
+from .weights import DenseLinear, Int4Linear, Int8Linear, c_gemm_pairs
 
 
 def supported(model) -> str | None:
@@ -52,15 +50,7 @@ def prefill_supported(model, lib) -> str | None:
 
 def clinear(lin) -> core.CLinear:
     """A torch-runtime linear's buffers for the C core (a bf16 one as contiguous bf16)."""
-    if isinstance(lin, LutLinear):
-        return core.CLinear(C.KIND_LUT4, lin.n, lin.k, lin.g, lin.qweight, lin.scales_zeros, lut=lin.levels)
-    if isinstance(lin, Int4Linear):
-        return core.CLinear(C.KIND_INT4, lin.n, lin.k, lin.g, lin.qweight, lin.scales_zeros, res=lin.residual,
-                            rsc=lin.rscales, rmap=lin.rmap)
-    if isinstance(lin, Int8Linear):
-        return core.CLinear(C.KIND_INT8, lin.n, lin.k, 0, lin.qweight, lin.scales)
-    w = lin.weight.to(torch.bfloat16).contiguous()  # a no-op view for bf16 checkpoints
-    return core.CLinear(C.KIND_BF16, lin.n, lin.k, 0, w, bias=lin.bias)
+    return core.clinear(lin.kind, lin.n, lin.k, getattr(lin, "g", None), lin.tensor, bias=getattr(lin, "bias", None))
 
 
 def session(model, lib, threads: int) -> core.Session:

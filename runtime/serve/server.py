@@ -3,7 +3,7 @@
 Starlette (routing, requests, JSON responses) on uvicorn: a small, well-kept ASGI pair with no
 validation framework to pull in (FastAPI would add pydantic for a handful of fields, checked
 here by hand so every refusal names its field). The model runs on the torch-free runtime; the
-engine (serving.py) runs on its own thread, and each request's events cross to the event loop
+engine (engine.py) runs on its own thread, and each request's events cross to the event loop
 through an asyncio queue.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions;
@@ -26,95 +26,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .common import DEFAULT_KV_DTYPE, check_kv_dtype
-from .errors import RuntimeUserError
-from .serving import Engine, QueueFull
-from .serving import Request as GenRequest
+from ..common import DEFAULT_KV_DTYPE, check_kv_dtype
+from ..errors import RuntimeUserError
+from .engine import Engine, QueueFull
+from .engine import Request as GenRequest
 
-MAX_BODY = 4 << 20
-MAX_STOP = 4
-# fields a request may carry; any other is refused by name (never silently ignored)
-COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user",
-          "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos"}
-CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                 "function_call", "parallel_tool_calls", "response_format"}
-COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
-
-
-def error(status: int, message: str, param=None, code=None, type_="invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
-
-
-def _number(body, name, lo, hi, default, integer=False):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-    if not lo <= v <= hi:
-        raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
-    return v
-
-
-def _unsupported(body: dict, allowed: set) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unsupported field '{unknown[0]}' (sparkq serve does not implement it)", unknown[0])
-    if body.get("n") not in (None, 1):
-        raise BadRequest("n > 1 is not supported: send one request per completion", "n")
-    if body.get("best_of") not in (None, 1):
-        raise BadRequest("best_of > 1 is not supported", "best_of")
-    for f in ("tools", "functions"):
-        if body.get(f):
-            raise BadRequest(f"'{f}' (tool calling) is not supported", f)
-    for f in ("tool_choice", "function_call"):
-        if body.get(f) not in (None, "none"):
-            raise BadRequest(f"'{f}' is not supported (no tool calling)", f)
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise BadRequest("logprobs are not supported", "logprobs")
-    for f in ("presence_penalty", "frequency_penalty"):
-        if _number(body, f, -2.0, 2.0, 0.0) != 0:
-            raise BadRequest(f"'{f}' is not supported (only 0)", f)
-    if body.get("logit_bias") not in (None, {}):
-        raise BadRequest("logit_bias is not supported", "logit_bias")
-    if body.get("echo") not in (None, False):
-        raise BadRequest("echo is not supported", "echo")
-    if body.get("suffix") not in (None, ""):
-        raise BadRequest("suffix (insertion) is not supported", "suffix")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise BadRequest("response_format other than {\"type\": \"text\"} is not supported", "response_format")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequest("'user' must be a string", "user")
-
-
-def _message_text(m, i: int) -> dict:
-    if not isinstance(m, dict):
-        raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
-    role, content = m.get("role"), m.get("content")
-    if role not in ("system", "developer", "user", "assistant"):
-        raise BadRequest(f"messages[{i}].role must be system, developer, user or assistant, got {role!r}",
-                         f"messages[{i}].role")
-    extra = set(m) - {"role", "content", "name"}
-    if extra:
-        raise BadRequest(f"messages[{i}].{sorted(extra)[0]} is not supported", f"messages[{i}]")
-    if isinstance(content, list):
-        parts = []
-        for j, p in enumerate(content):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise BadRequest(f"messages[{i}].content[{j}]: only text parts are supported", f"messages[{i}].content")
-            parts.append(p["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-    return {"role": "system" if role == "developer" else role, "content": content}
+from .protocol import CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, unsupported
 
 
 class App:
@@ -180,7 +97,7 @@ class App:
         if model != self.name:
             raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.name}' (GET /v1/models)",
                              "model", status=404, code="model_not_found")
-        _unsupported(body, allowed)
+        unsupported(body, allowed)
         return body
 
     def _sampling(self, body: dict, max_field: str) -> dict:
@@ -199,7 +116,7 @@ class App:
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise BadRequest("'seed' must be an integer", "seed")
-        top_p = _number(body, "top_p", 0.0, 1.0, self.defaults["top_p"])
+        top_p = number(body, "top_p", 0.0, 1.0, self.defaults["top_p"])
         if top_p <= 0:
             raise BadRequest("'top_p' must be in (0, 1]", "top_p")
         so = body.get("stream_options")
@@ -208,7 +125,7 @@ class App:
         for f in ("stream", "ignore_eos"):
             if body.get(f) not in (None, True, False):
                 raise BadRequest(f"'{f}' must be a boolean", f)
-        return {"max_tokens": mt, "temperature": float(_number(body, "temperature", 0.0, 2.0, self.defaults["temperature"])),
+        return {"max_tokens": mt, "temperature": float(number(body, "temperature", 0.0, 2.0, self.defaults["temperature"])),
                 "top_p": float(top_p), "seed": seed, "stop": stop, "ignore_eos": bool(body.get("ignore_eos"))}
 
     async def chat(self, request: Request):
@@ -223,7 +140,7 @@ class App:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise BadRequest("'messages' must be a non-empty list", "messages")
-            return tok.encode_chat([_message_text(m, i) for i, m in enumerate(msgs)])
+            return tok.encode_chat([message_text(m, i) for i, m in enumerate(msgs)])
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
@@ -390,7 +307,7 @@ def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str 
 
     import uvicorn
 
-    from .lite import load
+    from ..lite import load
 
     # bind first: a taken port is a one-line error before the model loads
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -1,22 +1,22 @@
-"""The decoder (Llama family: RMSNorm, SwiGLU, GQA, rotate-half RoPE, tied or untied head).
-
-One model for every weight source: linears are ``Int4Linear`` (mapped artifact) or
-``DenseLinear`` (bf16 checkpoint). Per-layer attention settings (``LayerCfg``: RoPE
-table, sliding window) are data, so families that vary them per layer are additions,
-not a second model. Batch size 1; activations bf16, 2-D ``[tokens, features]``.
+"""The torch decoder over its KV cache: the layer math of layers.py (shared with the converter's
+calibration) around swappable linears (weights.py: a mapped artifact's kinds, or ``DenseLinear``
+for a bf16 checkpoint). Per-layer attention settings (``LayerCfg``: RoPE table, sliding window)
+are data, so families that vary them per layer are additions, not a second model. Batch size 1;
+activations bf16, 2-D ``[tokens, features]``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from sparkq.formats.spec import ModelSpec, rope_tables_bf16
+from sparkq.formats import constants as C
+from sparkq.formats.rope import rope_tables_bf16
+from sparkq.formats.spec import ModelSpec
 
-from .common import DEFAULT_KV_DTYPE, REFINE_SPLIT, REFINE_TOP, check_fits, check_kv_dtype, kv_bytes_per_token
-from .errors import RuntimeUserError
+from ..common import DEFAULT_KV_DTYPE, REFINE_SPLIT, REFINE_TOP, check_fits, check_kv_dtype, kv_bytes_per_token
+from ..errors import RuntimeUserError
+from .layers import Layers, attend, rotate
 
 
 class Rope:
@@ -24,7 +24,7 @@ class Rope:
 
     def __init__(self, spec: ModelSpec, max_len: int, layer: int):
         theta, rotary_dim, _ = spec.layer_attention(layer)
-        cos, sin = rope_tables_bf16(spec, max_len, rotary_dim, theta, layer)  # shared with runtime/lite.py
+        cos, sin = rope_tables_bf16(spec, max_len, rotary_dim, theta, layer)  # shared with runtime/lite/model.py
         self.cos = torch.from_numpy(cos.view(np.int16)).view(torch.bfloat16)
         self.sin = torch.from_numpy(sin.view(np.int16)).view(torch.bfloat16)
         self.rotary_dim = rotary_dim
@@ -33,14 +33,7 @@ class Rope:
     def apply(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
         """x: [T, heads, D] -> rotated (first rotary_dim features)."""
         t = x.shape[0]
-        cos = self.cos[pos0:pos0 + t, None, :]
-        sin = self.sin[pos0:pos0 + t, None, :]
-        r = self.rotary_dim
-        xr = x[..., :r]
-        h = r // 2
-        rot = torch.cat([-xr[..., h:], xr[..., :h]], dim=-1)
-        out = xr * cos + rot * sin
-        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+        return rotate(x, self.cos[pos0:pos0 + t, None, :], self.sin[pos0:pos0 + t, None, :])
 
     @property
     def nbytes(self) -> int:
@@ -110,14 +103,6 @@ class KVCache:
                      for c, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:  # Gemma: scale by (1 + w) in fp32, then round
-        return (xf * (1.0 + w.float())).to(x.dtype)
-    return w * xf.to(x.dtype)
-
-
 class Model:
     def __init__(self, spec: ModelSpec, linears: dict, norms: dict[str, torch.Tensor], *,
                  max_model_len: int, kv_capacity: int, rope_len: int | None = None, kv_dtype: str = DEFAULT_KV_DTYPE):
@@ -137,10 +122,10 @@ class Model:
             self.layer_cfg.append(LayerCfg(ropes[key], window))
         self.ropes = list(ropes.values())
         self.cache = KVCache(spec, kv_capacity, kv_dtype)
-        self.scale = spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)
-        self.act = F.silu if spec.act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
-        self.embed_mult = torch.tensor(spec.hidden ** 0.5).to(torch.bfloat16) if spec.embed_scale else None
-        self.fast = None  # core.Session (runtime/fastpath.py) when the C decode step applies
+        self.layers = Layers(spec, norms.__getitem__)  # the math between the products (layers.py)
+        self.scale = self.layers.scale
+        self.embed_mult = self.layers.embed_scale()
+        self.fast = None  # core.Session (runtime/torchrt/fastpath.py) when the C decode step applies
         self.prefill_off: str | None = "no C core"  # why prompts do not go through the C core (None: they do)
         self.c_prefill = True  # prompts through the C core where prefill_off is None (False: the torch prefill)
 
@@ -152,37 +137,17 @@ class Model:
         check_fits(total_tokens, self.max_model_len, self.cache.capacity)
 
     def _attention(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
-        s = self.spec
-        t = x.shape[0]
-        qkv = self.lin[f"layers.{i}.qkv"](x)
-        if s.qkv_bias:
-            qkv = qkv + self.norms[f"layers.{i}.qkv.bias"]
-        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
+        s, t = self.spec, x.shape[0]
+        q, k, v = self.layers.qkv_heads(self.lin[f"layers.{i}.qkv"](x), i)
         cfg = self.layer_cfg[i]
-        q, k = q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = rms_norm(q, self.norms[f"layers.{i}.q_norm.weight"], s.rms_eps, s.norm_offset)
-            k = rms_norm(k, self.norms[f"layers.{i}.k_norm.weight"], s.rms_eps, s.norm_offset)
-        q = cfg.rope.apply(q, pos0)
-        k = cfg.rope.apply(k, pos0)
+        q, k = cfg.rope.apply(q, pos0), cfg.rope.apply(k, pos0)
         end = pos0 + t
-        self.cache.write(i, pos0, k.transpose(0, 1), v.view(t, s.kv_heads, s.head_dim).transpose(0, 1))
+        self.cache.write(i, pos0, k.transpose(0, 1), v.transpose(0, 1))
         start = 0 if cfg.window is None else max(0, end - cfg.window - t + 1)
         keys, vals = self.cache.read(i, start, end)
         if t == 1:  # decode: the cache slice is exactly the visible window, no mask needed
             return self.lin[f"layers.{i}.o"](self._decode_attention(q, keys, vals))
-        qh = q.transpose(0, 1)  # [H, T, D]
-        # a whole prompt from position 0 is plain causal: is_causal beats the same mask (docs/performance.md "Prompt processing")
-        causal, mask = start == pos0 == 0 and cfg.window is None, None
-        if not causal:
-            qpos = torch.arange(pos0, end)[:, None]
-            kpos = torch.arange(start, end)[None, :]
-            mask = kpos <= qpos
-            if cfg.window is not None:
-                mask &= kpos > qpos - cfg.window
-        # 4-D inputs: with 3-D ones torch takes its math path (2.4x slower at 512 tokens, measured)
-        o = F.scaled_dot_product_attention(qh[None], keys[None], vals[None], attn_mask=mask, is_causal=causal,
-                                           scale=self.scale, enable_gqa=s.heads != s.kv_heads)[0]
+        o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale)
         return self.lin[f"layers.{i}.o"](o.transpose(0, 1).reshape(t, s.q_dim))
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -195,15 +160,12 @@ class Model:
         return o.reshape(1, s.q_dim)
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        gu = self.lin[f"layers.{i}.gate_up"](x)
-        g, u = gu.chunk(2, dim=-1)
-        return self.lin[f"layers.{i}.down"](self.act(g) * u)
+        return self.lin[f"layers.{i}.down"](self.layers.glu(self.lin[f"layers.{i}.gate_up"](x)))
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos0: int, last_only: bool = True) -> torch.Tensor:
         """ids: int64 [T] at positions pos0..pos0+T-1; returns float32 logits [T or 1, vocab]."""
-        s, n = self.spec, self.norms
-        eps, off = s.rms_eps, s.norm_offset
+        s = self.spec
         if self.fast is not None and ids.numel() == 1:  # the C step; top logits exact, softcap applied
             out = torch.empty(1, self.head.n, dtype=torch.float32)
             self.fast.step(int(ids[0]), pos0, out=out.numpy()[0])
@@ -211,7 +173,7 @@ class Model:
         if self.fast is not None and self.prefill_off is None and self.c_prefill:
             self.check_fits(pos0 + ids.numel())
             if last_only:  # the head of the last position in C, as the decode step's: what
-                # runtime/lite.py does, so both runtimes give the same logits and tokens
+                # runtime/lite/model.py does, so both runtimes give the same logits and tokens
                 out = torch.empty(1, self.head.n, dtype=torch.float32)
                 self.fast.prompt(ids.numpy(), pos0, out=out.numpy()[0])
                 return out
@@ -220,18 +182,13 @@ class Model:
         x = self.embedding.embed(ids)
         if self.embed_mult is not None:
             x = x * self.embed_mult
+        lay = self.layers
         for i in range(s.layers):
-            h = self._attention(i, rms_norm(x, n[f"layers.{i}.attn_norm.weight"], eps, off), pos0)
-            if s.sandwich_norms:
-                h = rms_norm(h, n[f"layers.{i}.post_attn_norm.weight"], eps, off)
-            x = x + h
-            h = self._mlp(i, rms_norm(x, n[f"layers.{i}.mlp_norm.weight"], eps, off))
-            if s.sandwich_norms:
-                h = rms_norm(h, n[f"layers.{i}.post_mlp_norm.weight"], eps, off)
-            x = x + h
+            x = lay.residual(x, self._attention(i, lay.attn_in(x, i), pos0), i, C.ROLE_O)
+            x = lay.residual(x, self._mlp(i, lay.mlp_in(x, i)), i, C.ROLE_DOWN)
         if last_only:
             x = x[-1:]
-        return self._head(rms_norm(x, n["norm.weight"], eps, off).contiguous())
+        return self._head(lay.final(x).contiguous())
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec

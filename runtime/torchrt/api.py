@@ -9,22 +9,22 @@ import torch
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, ROWS32, LayoutError, host_layout
-from sparkq.formats.spec import ModelSpec, recipe_for_config
+from sparkq.formats.recipe import recipe_for_config
+from sparkq.formats.spec import ModelSpec
 
-from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD,  # noqa: F401
+from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD,  # noqa: F401
                      LoadInfo, check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
-from .errors import RuntimeUserError
-from .generate import Generator
+from ..errors import RuntimeUserError
+from ..generate import Generator
 from .model import Model
-from .options import LabOptions
-from .tokenizer import ChatTokenizer
+from ..options import LabOptions
+from ..tokenizer import ChatTokenizer
 from .weights import DenseLinear, Scratch, linears_from_artifact
-
 
 
 def check_layout(art_layout: str) -> None:
     if art_layout == ROWS32:
-        return  # CPU-independent (C decode core, torch fallback)
+        return  # CPU-independent: the C core's (load() requires it)
     try:
         host = host_layout()
     except LayoutError as e:
@@ -90,7 +90,8 @@ def _load_bf16_checkpoint(path: Path):
 
 def _attach_fast(model: Model, lab: LabOptions) -> str:
     """Attach the C core when it applies; returns the decode path's name for LoadInfo."""
-    from . import core, fastpath
+    from .. import core
+    from . import fastpath
 
     if not lab.c_decode:
         return "torch (c_decode off)"
@@ -137,6 +138,9 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
         except ArtifactError as e:
             raise RuntimeUserError(str(e)) from None
         check_layout(art.layout)
+        if art.layout == ROWS32 and lab.c_decode:
+            from .. import core
+            core.require(f"{path}: a rows32 artifact")
         if verify:
             bad = art.verify()
             if bad:

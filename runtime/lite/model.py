@@ -19,17 +19,16 @@ import os
 import time
 
 import numpy as np
-from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import ROWS32
-from sparkq.formats.spec import rope_tables_bf16
+from sparkq.formats.rope import rope_tables_bf16
 
-from . import core
-from .common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, LoadInfo, check_fits,
+from .. import core
+from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, LoadInfo, check_fits,
                      check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
-from .errors import RuntimeUserError
-from .generate import Generator
-from .tokenizer import ChatTokenizer
+from ..errors import RuntimeUserError
+from ..generate import Generator
+from ..tokenizer import ChatTokenizer
 
 
 def physical_cores() -> int:
@@ -60,16 +59,7 @@ def _bf16_round(x: float) -> float:
 
 def _clinear(name: str, li, t: dict) -> core.CLinear:
     """An artifact linear (formats LinearEntry) over the mapped arrays."""
-    if li.kind == C.KIND_INT4:
-        return core.CLinear(li.kind, li.n, li.k, li.group_size, t[f"{name}.qweight"], t[f"{name}.scales_zeros"],
-                            res=t.get(f"{name}.residual"), rsc=t.get(f"{name}.residual_scales"),
-                            rmap=t.get(f"{name}.residual_map"))
-    if li.kind == C.KIND_LUT4:
-        return core.CLinear(li.kind, li.n, li.k, li.group_size, t[f"{name}.qweight"], t[f"{name}.scales_zeros"],
-                            lut=t[f"{name}.levels"])
-    if li.kind == C.KIND_INT8:
-        return core.CLinear(li.kind, li.n, li.k, 0, t[f"{name}.qweight"], t[f"{name}.scales"])
-    return core.CLinear(li.kind, li.n, li.k, 0, t[f"{name}.weight"])
+    return core.clinear(li.kind, li.n, li.k, li.group_size, lambda s: t.get(f"{name}.{s}"))
 
 
 def empty64(shape, dtype) -> np.ndarray:
@@ -185,9 +175,9 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     try:
         lib = core.load()
     except (core.KernelUnavailable, OSError) as e:
-        fix = "unset SPARKQ_KERNEL" if os.environ.get("SPARKQ_KERNEL") else "install a C compiler"
-        raise RuntimeUserError(f"the torch-free runtime needs the C core ({e}); {fix}, or use the torch runtime "
-                               "(sparkq generate --torch)") from None
+        fix = "unset SPARKQ_KERNEL" if os.environ.get("SPARKQ_KERNEL") else \
+            "install a C compiler (apt-get install gcc, or xcode-select --install)"
+        raise RuntimeUserError(f"the torch-free runtime needs the C core ({str(e).splitlines()[0]}); {fix}") from None
     if max_model_len is None:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, art.spec.max_position)
     m = LiteModel(art, path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib,

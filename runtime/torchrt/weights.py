@@ -14,7 +14,8 @@ from sparkq.formats import constants as C
 from sparkq.formats.layout import (dequantize_codes, dequantize_codes_lut, dequantize_t, gather_rows, get_layout,
                                    residual_rows, unpack)
 
-from .options import PREFILL_MODES  # noqa: F401  (the `--prefill` names of prefill_dequant)
+from .layers import prefill_dtype  # noqa: F401  (re-exported)
+from ..options import PREFILL_MODES  # noqa: F401  (the `--prefill` names of prefill_dequant)
 
 int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -36,12 +37,6 @@ def c_gemm_pairs(k: int, g: int) -> bool:
     """Whether the SIMD W4A8 products read this linear's activations in pairs of 32-column blocks
     (act.c: K a multiple of 64; g32 scales the pair's two lanes apart, larger groups span whole pairs)."""
     return k % 64 == 0 and (g == 32 or g % 64 == 0)
-
-
-def prefill_dtype() -> torch.dtype:
-    """bf16 GEMM only pays on CPUs with native bf16 (AVX512-BF16/AMX); else fp32 GEMM is faster."""
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native else torch.float32
 
 
 class Scratch:
@@ -81,6 +76,13 @@ def c_matmul(lin, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 class Int4Linear:
+    kind = C.KIND_INT4
+    TENSOR_ATTRS = {"residual_scales": "rscales", "residual_map": "rmap"}  # artifact suffix -> attribute
+
+    def tensor(self, suffix: str):
+        """The artifact tensor ``suffix`` (formats/kinds.py) this linear holds, or None."""
+        return getattr(self, self.TENSOR_ATTRS.get(suffix, suffix), None)
+
     def __init__(self, name: str, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                  n: int, k: int, layout: str, scratch: Scratch, prefill_dequant: bool | None = None):
         self.name, self.qweight, self.scales_zeros = name, qweight, scales_zeros
@@ -186,6 +188,7 @@ class LutLinear(Int4Linear):
     """A lut4 linear (formats/constants.py): rows32 codes into each row's 16 learned levels. The C
     core multiplies it (products, GEMMs and row dequantization); the torch fallback dequantizes
     with a gather."""
+    kind = C.KIND_LUT4
 
     def __init__(self, name: str, qweight, scales_zeros, levels, group_size: int, n: int, k: int, scratch: Scratch,
                  prefill_dequant: bool | None = None):
@@ -209,6 +212,10 @@ class LutLinear(Int4Linear):
 class Int8Linear:
     """Per-row int8 weights (sensitive roles such as the tied head): torch's int8 kernel,
     rows gathered straight from the mapped bytes for the embedding."""
+    kind = C.KIND_INT8
+
+    def tensor(self, suffix: str):
+        return getattr(self, suffix, None)
 
     def __init__(self, name: str, qweight: torch.Tensor, scales: torch.Tensor):
         self.name, self.qweight, self.scales = name, qweight, scales
@@ -236,6 +243,11 @@ class Int8Linear:
 
 class DenseLinear:
     """A bf16 linear (bf16 reference checkpoints, or linears the recipe kept in bf16)."""
+    kind = C.KIND_BF16
+
+    def tensor(self, suffix: str):
+        assert suffix == "weight", suffix
+        return self.weight.to(torch.bfloat16).contiguous()  # a no-op view for bf16 checkpoints
 
     def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.name, self.weight, self.bias = name, weight, bias
@@ -259,20 +271,24 @@ class DenseLinear:
         return torch.nn.functional.embedding(ids, self.weight)
 
 
+def _int4(name, e, t, layout, scratch, prefill_dequant):
+    lin = Int4Linear(name, t("qweight"), t("scales_zeros"), e.group_size, e.n, e.k, layout, scratch, prefill_dequant)
+    lin.residual, lin.rscales, lin.rmap = t("residual"), t("residual_scales"), t("residual_map")
+    return lin
+
+
+# weight kind (formats/kinds.py) -> its torch linear, from (name, LinearEntry, tensor(suffix), layout,
+# scratch, prefill_dequant)
+TORCH_LINEARS = {
+    C.KIND_INT4: _int4,
+    C.KIND_LUT4: lambda name, e, t, layout, scratch, pd: LutLinear(name, t("qweight"), t("scales_zeros"), t("levels"),
+                                                                   e.group_size, e.n, e.k, scratch, pd),
+    C.KIND_INT8: lambda name, e, t, *_: Int8Linear(name, t("qweight"), t("scales")),
+    C.KIND_BF16: lambda name, e, t, *_: DenseLinear(name, t("weight")),
+}
+
+
 def linears_from_artifact(art, tensors: dict[str, torch.Tensor], scratch: Scratch, prefill_dequant: bool | None):
-    out = {}
-    for name, lin in art.linears.items():
-        if lin.kind == C.KIND_INT4:
-            out[name] = Int4Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales_zeros"],
-                                   lin.group_size, lin.n, lin.k, art.layout, scratch, prefill_dequant)
-            if lin.residual:
-                out[name].residual, out[name].rscales = tensors[f"{name}.residual"], tensors[f"{name}.residual_scales"]
-                out[name].rmap = tensors.get(f"{name}.residual_map")
-        elif lin.kind == C.KIND_LUT4:
-            out[name] = LutLinear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales_zeros"],
-                                  tensors[f"{name}.levels"], lin.group_size, lin.n, lin.k, scratch, prefill_dequant)
-        elif lin.kind == C.KIND_INT8:
-            out[name] = Int8Linear(name, tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
-        else:
-            out[name] = DenseLinear(name, tensors[f"{name}.weight"])
-    return out
+    return {name: TORCH_LINEARS[e.kind](name, e, lambda s, name=name: tensors.get(f"{name}.{s}"), art.layout, scratch,
+                                        prefill_dequant)
+            for name, e in art.linears.items()}

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .api import load
-from .common import DEFAULT_KV_DTYPE
-from .errors import RuntimeUserError
-from .options import PREFILL_MODES
+from ..torchrt.api import load
+from ..common import DEFAULT_KV_DTYPE
+from ..errors import RuntimeUserError
+from ..options import PREFILL_MODES
 
 GREEDY_CAVEAT = ("greedy reproductions saturate: one early divergence changes everything after it, so counts "
                  "move in big steps and say little about small quality differences; prefer KL and top-1")

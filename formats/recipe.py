@@ -1,0 +1,150 @@
+"""Recipes: one TOML per model family (``recipes/``) naming its HF tensors, its feature switches
+and its quantization defaults; the recipe a config selects."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import tomllib
+
+from . import constants as C
+
+if TYPE_CHECKING:
+    from .spec import ModelSpec
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    family: str
+    architectures: tuple[str, ...]
+    global_names: dict
+    layer_prefix: str
+    layer_names: dict
+    group_size: int = 128
+    group_size_fallbacks: tuple[int, ...] = (64, 32)
+    keep_bf16: tuple[str, ...] = ()
+    keep_int8: tuple[str, ...] = ()
+    head_group_size: int | None = None  # int4 group size for lm_head/embed only (None: as the body)
+    features: tuple = ()  # sorted (name, value) pairs of the recipe's [features] table (FEATURES)
+    path: str = ""
+
+    def feature(self, name: str):
+        return dict(self.features).get(name, FEATURES[name])
+
+    def layer_sources(self, role: str, i: int) -> list[str]:
+        v = self.layer_names[role]
+        names = v if isinstance(v, list) else [v]
+        pre = self.layer_prefix.format(i=i)
+        return [pre + n for n in names]
+
+    def source_names(self, spec: "ModelSpec") -> dict[str, list[str]]:
+        """Artifact linear name or vector tensor name -> HF source tensor names (parts in
+        fusion order; fused vectors such as the qkv bias are concatenated)."""
+        out: dict[str, list[str]] = {}
+        for i in range(spec.layers):
+            for role in C.LAYER_LINEARS:
+                out[f"layers.{i}.{role}"] = self.layer_sources(role, i)
+            for role in spec.layer_norms:
+                out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, i)
+            if spec.qkv_bias:
+                out[f"layers.{i}.qkv.bias"] = self.layer_sources("qkv_bias", i)
+        out["norm.weight"] = [self.global_names["norm"]]
+        if spec.tied:
+            out[C.ROLE_LM_HEAD] = [self.global_names["embed"]]
+        else:
+            out[C.ROLE_EMBED] = [self.global_names["embed"]]
+            out[C.ROLE_LM_HEAD] = [self.global_names["lm_head"]]
+        return out
+
+
+# Architecture features a recipe can switch on ([features] table), with their defaults.
+FEATURES = {
+    "qk_norm": False,         # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma3)
+    "qkv_bias": False,        # biases on q/k/v (Qwen2)
+    "norm_offset": False,     # RMSNorm scales by (1 + w), computed in fp32 (Gemma)
+    "sandwich_norms": False,  # extra norms after attention and after the MLP (Gemma3)
+    "embed_scale": False,     # embeddings multiplied by sqrt(hidden) (Gemma)
+    "act": "silu",            # MLP gate activation: silu | gelu_tanh
+}
+
+
+def _features(d: dict, path: str) -> tuple:
+    if not isinstance(d, dict) or any(k not in FEATURES for k in d):
+        raise SpecError(f"recipe {path}: unknown [features] {sorted(set(d) - set(FEATURES))}; known: {', '.join(FEATURES)}")
+    if d.get("act", "silu") not in ("silu", "gelu_tanh"):
+        raise SpecError(f"recipe {path}: act must be silu or gelu_tanh")
+    return tuple(sorted(d.items()))
+
+
+def _group_size(v, path: str, key: str) -> int | None:
+    if v is not None and (type(v) is not int or v not in C.GROUP_SIZES):
+        raise SpecError(f"recipe {path}: [quant] {key} must be one of {C.GROUP_SIZES}; got {v!r}")
+    return v
+
+
+def _roles(v, key: str, path: str) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or any(r not in C.ROLES for r in v):
+        raise SpecError(f"recipe {path}: {key} must list roles among {', '.join(C.ROLES)}; got {v!r}")
+    return tuple(v)
+
+
+def _recipe_from_dict(d: dict, path: str) -> Recipe:
+    try:
+        q = d.get("quant", {})
+        return Recipe(
+            family=d["family"],
+            architectures=tuple(d["architectures"]),
+            global_names=dict(d["global"]),
+            layer_prefix=d["layer"]["prefix"],
+            layer_names={k: v for k, v in d["layer"].items() if k != "prefix"},
+            group_size=_group_size(q.get("group_size", 128), path, "group_size"),
+            group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
+            keep_bf16=_roles(q.get("keep_bf16", []), "keep_bf16", path),
+            keep_int8=_roles(q.get("keep_int8", []), "keep_int8", path),
+            head_group_size=_group_size(q.get("head_group_size"), path, "head_group_size"),
+            features=_features(d.get("features", {}), path),
+            path=path,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecError(f"recipe {path}: missing or bad field {e}; see recipes/llama.toml for the schema") from None
+
+
+def builtin_recipes() -> dict[str, Recipe]:
+    out = {}
+    for f in sorted(resources.files("sparkq.recipes").iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".toml"):
+            r = _recipe_from_dict(tomllib.loads(f.read_text()), f.name)
+            out[r.family] = r
+    return out
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"recipe file {p} not found; pass an existing .toml to --recipe")
+    try:
+        d = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"recipe file {p} is not valid TOML ({e}); fix the file") from None
+    return _recipe_from_dict(d, str(p))
+
+
+def recipe_for_config(config: dict, override: str | Path | None = None) -> Recipe:
+    if override:
+        return load_recipe(override)
+    archs = config.get("architectures") or []
+    recipes = builtin_recipes()
+    for r in recipes.values():
+        if any(a in r.architectures for a in archs):
+            return r
+    supported = sorted(a for r in recipes.values() for a in r.architectures)
+    raise SpecError(
+        f"unknown architecture {archs or config.get('model_type')!r}; supported: "
+        f"{', '.join(supported)}; write a recipe (see recipes/llama.toml) and pass --recipe FILE"
+    )

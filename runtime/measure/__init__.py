@@ -1,0 +1,1 @@
+"""The measurement commands users run: bench, memory, fidelity, bench-serve (servebench.py)."""

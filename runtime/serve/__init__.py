@@ -1,0 +1,1 @@
+"""`sparkq serve`: the engine thread with continuous batching (engine.py) and the OpenAI-compatible app (server.py)."""
