@@ -102,6 +102,13 @@ OPT_KV_BUDGET = typer.Option(192, "--kv-budget-mib")
 OPT_KV_DTYPE = typer.Option(None, "--kv-dtype", help="KV cache: int8 (the default: int8 K/V rows with a bf16 scale per "
                             "position and KV head, ~0.52x bf16's bytes, so ~1.9x the positions per budget) or bf16")
 OPT_THREADS = typer.Option(None, "--threads")
+OPT_THINK = typer.Option(None, "--think/--no-think", help="with a chat template: its thinking switch "
+                         "(enable_thinking; SmolLM3, Qwen3); default: the template's")
+
+
+def set_thinking(m, think: bool | None) -> None:
+    if think is not None and m.tokenizer is not None:
+        m.tokenizer.template_kwargs = {**m.tokenizer.template_kwargs, "enable_thinking": think}
 
 def _rss_mib() -> dict:
     from sparkq.runtime.procmem import rss_kib

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from . import render as R
-from .common import OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_LEN, OPT_SEED, OPT_TEMPERATURE, OPT_THREADS, OPT_TOP_P, app
+from .common import (OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_LEN, OPT_SEED, OPT_TEMPERATURE, OPT_THINK, OPT_THREADS,
+                     OPT_TOP_P, app, set_thinking)
 from .common import (_fail, _kv, _need_convert_extra, _plot, _prefill_mode, _rss_mib, _run, _runtime, _save,  # noqa: F401
                      _threads, artifact_layout, open_model)
 
@@ -26,6 +27,7 @@ def generate(
     kv_budget_mib: float = OPT_KV_BUDGET,
     kv_dtype: Optional[str] = OPT_KV_DTYPE,
     threads: Optional[int] = OPT_THREADS,
+    think: Optional[bool] = OPT_THINK,
     prefill: str = typer.Option("auto", "--prefill", help="torch runtime: prompt products of int4 linears above 64 "
                                 "rows: auto (the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token ids, stats)"),
@@ -38,6 +40,7 @@ def generate(
         _fail("--lite and --torch exclude each other")
     m = open_model(model, "lite" if lite else "torch" if use_torch else "auto", prefill,
               max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, **_kv(kv_dtype))
+    set_thinking(m, think)
     hub = m.info.extra.get("hub")
     if hub and not as_json:
         typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)
@@ -70,6 +73,7 @@ def chat(
     kv_budget_mib: float = OPT_KV_BUDGET,
     kv_dtype: Optional[str] = OPT_KV_DTYPE,
     threads: Optional[int] = OPT_THREADS,
+    think: Optional[bool] = OPT_THINK,
     lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (the default for rows32 artifacts)"),
     use_torch: bool = typer.Option(False, "--torch", help="the torch runtime"),
 ):
@@ -83,6 +87,7 @@ def chat(
         _fail("--lite and --torch exclude each other")
     m = open_model(model, "lite" if lite else "torch" if use_torch else "auto", "auto",
               max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, **_kv(kv_dtype))
+    set_thinking(m, think)
     session = _run(ChatSession, m, system, temperature=temperature, top_p=top_p, seed=seed)
     import signal
     # Ctrl-C stops an answer even where SIGINT came in ignored (a shell's background job): Python

@@ -156,8 +156,8 @@ class Calibration:
         uniq, inverse = ids.reshape(-1).unique(return_inverse=True)  # one read per distinct token
         rows = torch.cat([source.read_rows(embed_name, t, t + 1) for t in uniq.tolist()]).float()
         self.x = rows[inverse]
-        if spec.embed_scale:
-            self.x *= Layers(spec, None).embed_scale().float()
+        if spec.embed_mult is not None:
+            self.x *= spec.embed_mult
         self.inp: torch.Tensor | None = None  # input of the next linear
         self.inp_of: str | None = None  # the linear self.inp was computed for by inputs()
         # linear name -> (sequence j, E [N, K]): that sequence's tokens see W - E there instead of W

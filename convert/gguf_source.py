@@ -40,6 +40,11 @@ _COMMON = {
 }
 LAYER_MAPS = {  # GGUF block tensor -> HF module under model.layers.N, per architecture
     "llama": {**_COMMON, "ffn_norm": "post_attention_layernorm"},
+    # Phi-3: q, k, v and gate, up stay fused (attn_qkv, ffn_up holding [gate; up]), as in the checkpoint
+    "phi3": {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
+             "ffn_norm": "post_attention_layernorm"},
+    # OLMo 2: no pre-norms; the post-attention / post-MLP norms, full-width q/k norms
+    "olmo2": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "gemma3": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
@@ -51,7 +56,13 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", "llama", False, False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", "llama", False, False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", "gemma3", False, True),
+    "phi3": ("Phi3ForCausalLM", "phi3", "phi3", False, False),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", "llama", True, False),
+    "granite": ("GraniteForCausalLM", "granite", "llama", True, False),  # (Granite 4.0 dense too, split MLP)
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", "olmo2", False, False),
 }
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # LongRoPE's, read into the config
+SMOLLM3_NOPE_STEP = 4  # llama.cpp: every 4th SmolLM3 layer has no RoPE (not stored in the file)
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: every 6th layer full attention (not stored in the file)
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3 (not stored)
 
@@ -86,11 +97,14 @@ class GGUFSource(Source):
             raise ConvertError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
         self.arch = arch
         _, _, _, self.permuted, self.norm_shift = ARCHS[arch]
-        self.tensors = {}
+        self.tensors, self.rope_factors = {}, {}
         for t in self.reader.tensors:
             name = hf_name(t.name, arch)
             if name is None:
                 if t.name in ("rope_freqs.weight",):  # llama3 RoPE factors: rebuilt from rope_scaling
+                    continue
+                if t.name in ROPE_FACTOR_TENSORS:
+                    self.rope_factors[t.name.split(".")[0]] = [float(v) for v in np.asarray(t.data, np.float32).ravel()]
                     continue
                 raise ConvertError(f"{path}: GGUF tensor {t.name!r} has no Hugging Face equivalent known to sparkq")
             self.tensors[name] = t
@@ -129,8 +143,8 @@ class GGUFSource(Source):
         hf_arch, model_type = ARCHS[a][:2]
         heads = int(self._field(f"{a}.attention.head_count"))
         hidden = int(self._field(f"{a}.embedding_length"))
-        head_dim = int(self._field(f"{a}.attention.key_length", 0) or self._field(f"{a}.rope.dimension_count", 0)
-                       or hidden // heads)
+        head_dim = int(self._field(f"{a}.attention.key_length", 0)  # (Phi-3's rope dimension is its partial rotary's)
+                       or (a != "phi3" and self._field(f"{a}.rope.dimension_count", 0)) or hidden // heads)
         layers = int(self._field(f"{a}.block_count"))
         vocab = len(f["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in f else int(self._field(f"{a}.vocab_size"))
         config = {
@@ -160,6 +174,24 @@ class GGUFSource(Source):
                 config["rope_scaling"]["original_max_position_embeddings"] = int(
                     self._field(f"{a}.rope.scaling.original_context_length", config["max_position_embeddings"]))
         window = self._field(f"{a}.attention.sliding_window", None)
+        if a == "phi3":
+            rot = int(self._field(f"{a}.rope.dimension_count", head_dim))
+            config.update(partial_rotary_factor=rot / head_dim, sliding_window=int(window) if window else None)
+            if self.rope_factors:
+                orig = int(self._field(f"{a}.rope.scaling.original_context_length", config["max_position_embeddings"]))
+                config["original_max_position_embeddings"] = orig
+                config["rope_scaling"] = {"rope_type": "longrope", "long_factor": self.rope_factors["rope_factors_long"],
+                                          "short_factor": self.rope_factors["rope_factors_short"],
+                                          "original_max_position_embeddings": orig}
+                if (att := self._field(f"{a}.rope.scaling.attn_factor", None)) is not None:
+                    config["rope_scaling"]["attention_factor"] = float(att)
+        elif a == "smollm3":
+            config["no_rope_layers"] = [int((i + 1) % SMOLLM3_NOPE_STEP != 0) for i in range(layers)]
+        elif a == "granite":
+            for key, hf in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                            ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling")):
+                if (v := self._field(f"{a}.{key}", None)) is not None:
+                    config[hf] = float(v)
         if a in ("llama", "mistral"):
             config.update(attention_bias=False, mlp_bias=False)
             if a == "mistral":

@@ -76,10 +76,15 @@ class KeyScaling:
     def unsupported(spec) -> str | None:
         if spec.qk_norm and spec.norm_offset:
             return "q/k norms with a (1 + w) offset: a power of two is not exact there"
+        if spec.qk_norm and spec.qk_norm_full:
+            return "q/k norms over the whole projection width (OLMo2): not measured per channel yet"
         return None
 
     def _set(self, fused: str, parts_rows: list[int], m: torch.Tensor) -> None:
-        """Multipliers over the rows of the virtual concatenation ``fused``, per source part."""
+        """Multipliers over the rows of the virtual concatenation ``fused``, per source part (one
+        source tensor already fused, Phi-3's qkv_proj: all the rows)."""
+        if len(self.srcs[fused]) == 1:
+            parts_rows = [sum(parts_rows)]
         base = 0
         for p, rows in zip(self.srcs[fused], parts_rows):
             seg = m[base:base + rows]

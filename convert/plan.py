@@ -56,7 +56,7 @@ def plan(source: Source, opts: Options):
     shapes = spec.linear_shapes()
     for name, (n, k) in shapes.items():
         parts = srcs[name]
-        rows = spec.part_rows(name)
+        rows = spec.part_rows(name) if len(parts) > 1 else [n]  # one part: fused in the checkpoint (Phi-3)
         for p, r in zip(parts, rows):
             if tuple(source.shapes[p]) != (r, k):
                 raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, config implies {[r, k]}; "

@@ -87,6 +87,8 @@ def model_card(art: Artifact, repo_id: str, variants: list[str], base_model: str
         f"| method | {s['method']}{_calibration(art.manifest.calibration)} |",
         f"| converter | sparkq {(art.manifest.converter or {}).get('version')} (format {s['format_version']}) |", "",
     ]
+    if src.get("text_only"):  # a multimodal source: say what the artifact leaves out
+        body += [f"**Text only.** {src['text_only']}: this artifact takes text in and gives text out.", ""]
     tables = _measured_tables(_measured(art.path))
     body += (["## Measured for this artifact", ""] + tables) if tables else \
         ["No measurements were stored with this artifact (`sparkq memory|bench|fidelity ... --save`)."]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from sparkq.formats import constants as C
+from sparkq.formats.recipe import SpecError, text_model_view, wrapper_architecture
 from sparkq.formats.tensorfile import TensorFileError, read_header
 from sparkq.runtime.hub import HubError, is_repo_id, snapshot, split_repo
 
@@ -115,7 +116,10 @@ HUB_PATTERNS = ["config.json", "model.safetensors", "model-*.safetensors", "mode
 
 
 def read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of the virtual concatenation of the parts along N."""
+    """Rows [r0, r1) of the virtual concatenation of the parts along N (one part: a tensor the
+    checkpoint already fuses, Phi-3's qkv_proj / gate_up_proj, holding every part's rows)."""
+    if len(parts) == 1:
+        part_rows = [sum(part_rows)]
     out, base = [], 0
     for p, rows in zip(parts, part_rows):
         a, b = max(r0, base), min(r1, base + rows)
@@ -146,7 +150,41 @@ def resolve_hub(repo: str, revision: str | None = None, allow_patterns=None) -> 
         raise ConvertError(str(e)) from None
 
 
+class TextOnlySource(Source):
+    """The text model inside a multimodal checkpoint, under the names and config of its text-only
+    architecture (``TEXT_MODELS``); every other tensor (vision tower, projector) is left out."""
+
+    def __init__(self, base: Source, arch: str):
+        try:
+            config, self.names = text_model_view(base.config, base.shapes)
+        except SpecError as e:
+            raise ConvertError(str(e)) from None
+        self.base = base
+        super().__init__(config=config, shapes={t: base.shapes[n] for t, n in self.names.items()},
+                         origin={**base.origin, "text_only": f"{arch}: the text model; vision tower and projector dropped"},
+                         directory=base.directory, extra_files=base.extra_files)
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        return self.base.read_rows(self.names[name], r0, r1)
+
+    def nbytes(self, name: str) -> int:
+        return self.base.nbytes(self.names[name])
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def text_model(source: Source) -> Source:
+    """The source itself, or its text model where it is a multimodal wrapper sparkq knows."""
+    arch = wrapper_architecture(source.config)
+    return TextOnlySource(source, arch) if arch else source
+
+
 def open_source(src: str) -> Source:
+    return text_model(_open_source(src))
+
+
+def _open_source(src: str) -> Source:
     p = Path(src)
     if p.is_file() and p.suffix == ".gguf":
         from .gguf_source import GGUFSource

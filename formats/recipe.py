@@ -71,6 +71,8 @@ FEATURES = {
     "sandwich_norms": False,  # extra norms after attention and after the MLP (Gemma3)
     "embed_scale": False,     # embeddings multiplied by sqrt(hidden) (Gemma)
     "act": "silu",            # MLP gate activation: silu | gelu_tanh
+    "pre_norms": True,        # norms before attention and the MLP (OLMo2 has only the sandwich's after)
+    "qk_norm_full": False,    # q_norm / k_norm over all heads' q and k, before the split into heads (OLMo2)
 }
 
 
@@ -143,8 +145,49 @@ def recipe_for_config(config: dict, override: str | Path | None = None) -> Recip
     for r in recipes.values():
         if any(a in r.architectures for a in archs):
             return r
-    supported = sorted(a for r in recipes.values() for a in r.architectures)
+    supported = sorted([a for r in recipes.values() for a in r.architectures] + list(TEXT_MODELS))
     raise SpecError(
         f"unknown architecture {archs or config.get('model_type')!r}; supported: "
         f"{', '.join(supported)}; write a recipe (see recipes/llama.toml) and pass --recipe FILE"
     )
+
+
+# Multimodal wrappers whose text model sparkq runs alone: architecture -> (the text model's
+# architecture and model_type, its tensor prefixes in the wrapper's checkpoints as (model, lm_head):
+# the layout transformers saves and the hub checkpoints use, then transformers 5's own). The vision
+# tower and projector are dropped.
+TEXT_MODELS = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text",
+                                       (("language_model.model.", "language_model.lm_head."),
+                                        ("model.language_model.", "lm_head."))),
+}
+
+
+def wrapper_architecture(config: dict) -> str | None:
+    """The config's multimodal wrapper architecture that TEXT_MODELS knows, or None."""
+    return next((a for a in (config.get("architectures") or []) if a in TEXT_MODELS), None)
+
+
+def text_model_view(config: dict, names) -> tuple[dict, dict[str, str]]:
+    """A multimodal wrapper's text model: (its config as a text-only checkpoint's, {text-only
+    tensor name: the wrapper's name}) for the tensor ``names`` present."""
+    arch = wrapper_architecture(config)
+    text_arch, model_type, prefixes = TEXT_MODELS[arch]
+    tc = config.get("text_config")
+    if not isinstance(tc, dict):
+        raise SpecError(f"config.json: {arch} without a text_config object; the checkpoint is incomplete")
+    text = {**tc, "architectures": [text_arch], "model_type": model_type,
+            "tie_word_embeddings": tc.get("tie_word_embeddings", config.get("tie_word_embeddings", True))}
+    for model_prefix, head_prefix in prefixes:
+        if any(n.startswith(model_prefix) for n in names):
+            break
+    else:
+        raise SpecError(f"{arch} checkpoint without its language model's tensors "
+                        f"({' or '.join(p for p, _ in prefixes)}...); the checkpoint is incomplete")
+    out = {}
+    for n in names:
+        if n.startswith(model_prefix):
+            out["model." + n[len(model_prefix):]] = n
+        elif n.startswith(head_prefix):
+            out["lm_head." + n[len(head_prefix):]] = n
+    return text, out

@@ -1,6 +1,14 @@
-"""RoPE as the model defines it (inverse frequencies with linear / llama3 / YaRN scaling, YaRN's
-attention factor, the bf16 cos/sin tables): one implementation for the converter's calibration
-and both runtimes."""
+"""RoPE as the model defines it (inverse frequencies with linear / llama3 / YaRN / LongRoPE scaling,
+YaRN's and LongRoPE's attention factor, the bf16 cos/sin tables): one implementation for the
+converter's calibration and both runtimes.
+
+LongRoPE (Phi-3.5, Phi-4-mini) has short and long per-frequency factors; transformers switches to
+the long ones once a sequence passes original_max_position_embeddings and recomputes every
+position. Here the choice is made once per table, by its length (``context``: the runtime's
+max_model_len, the calibration's window), as llama.cpp does by its context size: a process whose
+KV cache can hold more than original_max_position_embeddings tokens runs long factors for every
+sequence, short ones otherwise, so a cached K/V row (and the server's prefix cache) never mixes the
+two."""
 from __future__ import annotations
 
 import math
@@ -12,13 +20,24 @@ if TYPE_CHECKING:
     from .spec import ModelSpec
 
 
-def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float, layer: int | None = None) -> np.ndarray:
+def longrope_original(spec: ModelSpec, rs: dict) -> int:
+    """LongRoPE's original_max_position_embeddings (the rope parameters' or the config's)."""
+    return int(rs.get("original_max_position_embeddings") or spec.original_max_position or spec.max_position)
+
+
+def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float, layer: int | None = None,
+                  context: int | None = None) -> np.ndarray:
     """RoPE inverse frequencies (float32 [rotary_dim/2], numpy) with the RoPE scaling of ``layer``
     (None: the config's rope_scaling): part of the model's definition, shared by the runtime and the
-    converter's calibration."""
+    converter's calibration. ``context``: the positions the table serves (LongRoPE's switch)."""
     inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
     rs = (spec.rope_scaling if layer is None else spec.layer_rope_scaling(layer)) or {}
     kind = rs.get("rope_type", rs.get("type"))
+    if kind == "longrope":  # transformers' _compute_longrope_parameters, in fp32 as there
+        long = context is not None and context > longrope_original(spec, rs)
+        ext = np.asarray(rs["long_factor" if long else "short_factor"], dtype=np.float32)
+        shape = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rotary_dim)
+        return (np.float32(1.0) / (ext * np.power(np.float32(theta), shape, dtype=np.float32))).astype(np.float32)
     if kind == "linear":
         inv = inv / float(rs["factor"])
     elif kind == "llama3":
@@ -56,8 +75,15 @@ def _yarn_factor(spec: ModelSpec, rs: dict) -> float:
 
 
 def rope_attention_factor(spec: ModelSpec, layer: int | None = None) -> float:
-    """The factor YaRN applies to cos and sin (1.0 for the other RoPE types)."""
+    """The factor YaRN and LongRoPE apply to cos and sin (1.0 for the other RoPE types)."""
     rs = (spec.rope_scaling if layer is None else spec.layer_rope_scaling(layer)) or {}
+    if rs.get("rope_type", rs.get("type")) == "longrope":
+        if rs.get("attention_factor") is not None:
+            return float(rs["attention_factor"])
+        orig = longrope_original(spec, rs)
+        factor = spec.max_position / orig if (rs.get("original_max_position_embeddings") or spec.original_max_position) \
+            else float(rs.get("factor") or 1.0)
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     if rs.get("rope_type", rs.get("type")) != "yarn":
         return 1.0
     if rs.get("attention_factor") is not None:
@@ -76,7 +102,7 @@ def _rope_blocks(spec: "ModelSpec", max_len: int, rotary_dim: int, theta: float,
     """(p0, p1, cos, sin) per block of positions: float32 [p1 - p0, rotary_dim / 2] halves, angles
     pos * inv_freq in fp32, cos/sin in float64 rounded to fp32 (YaRN: then scaled in fp32, as
     transformers does before its cast). Blocks keep the float64 temporaries small at 1M positions."""
-    inv = rope_inv_freq(spec, rotary_dim, theta, layer)
+    inv = rope_inv_freq(spec, rotary_dim, theta, layer, context=max_len)
     att = np.float32(rope_attention_factor(spec, layer))
     for p0 in range(0, max_len, 1 << 14):
         p1 = min(max_len, p0 + (1 << 14))

@@ -39,10 +39,27 @@ class ModelSpec:
     rope_scaling_by_type: dict = field(default_factory=dict, compare=False)
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_softcap: float | None = None
+    pre_norms: bool = True
+    qk_norm_full: bool = False
+    embedding_multiplier: float | None = None  # the config's (Granite); Gemma's sqrt(hidden): embed_scale
+    residual_multiplier: float = 1.0  # the branch outputs' factor before the residual add (Granite)
+    logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3)
+    original_max_position: int | None = None  # the config's original_max_position_embeddings (LongRoPE)
+
+    @property
+    def embed_mult(self) -> float | None:
+        """The embedding multiplier the decoders apply (None: none): Gemma's sqrt(hidden) rounded to
+        bf16 (as transformers' normalizer), or the config's embedding_multiplier."""
+        if self.embed_scale:
+            import numpy as np
+            u = int(np.float32(self.hidden ** 0.5).view(np.uint32))
+            return float(np.uint32(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).view(np.float32))
+        return self.embedding_multiplier
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
-        return (C.LAYER_NORMS + (("q_norm", "k_norm") if self.qk_norm else ())
+        return ((C.LAYER_NORMS if self.pre_norms else ()) + (("q_norm", "k_norm") if self.qk_norm else ())
                 + (("post_attn_norm", "post_mlp_norm") if self.sandwich_norms else ()))
 
     def layer_rope_scaling(self, i: int) -> dict | None:
@@ -63,6 +80,8 @@ class ModelSpec:
         t = self.layer_types[i] if self.layer_types else "full_attention"
         rope = {k: (th, rd) for k, th, rd in self.rope_by_type}
         theta, rot = rope.get(t, rope.get("full_attention", (self.rope_theta, self.head_dim)))
+        if i in self.nope_layers:
+            rot = 0
         if self.layer_types:
             window = self.sliding_window if t == "sliding_attention" else None
         else:
@@ -76,7 +95,7 @@ class ModelSpec:
     @classmethod
     def from_config(cls, cfg: dict, family: str = "llama", *, qk_norm: bool = False, qkv_bias: bool = False,
                     norm_offset: bool = False, sandwich_norms: bool = False, embed_scale: bool = False,
-                    act: str = "silu") -> "ModelSpec":
+                    act: str = "silu", pre_norms: bool = True, qk_norm_full: bool = False) -> "ModelSpec":
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
@@ -90,11 +109,12 @@ class ModelSpec:
                 heads=heads,
                 kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate=int(cfg["intermediate_size"]),
+                intermediate=int(cfg["shared_intermediate_size"] if "shared_intermediate_size" in cfg
+                                 else cfg["intermediate_size"]),
                 vocab=int(cfg["vocab_size"]),
                 tied=bool(cfg.get("tie_word_embeddings", False)),
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", _flat_rope(cfg).get("rope_theta", 10000.0))),
+                rope_theta=float(cfg.get("rope_theta") or _flat_rope(cfg).get("rope_theta") or 10000.0),
                 max_position=int(cfg.get("max_position_embeddings", 2048)),
                 rope_scaling=cfg.get("rope_scaling") or (
                     _flat_rope(cfg) if _flat_rope(cfg).get("rope_type") not in (None, "default") else None),
@@ -105,11 +125,20 @@ class ModelSpec:
                 sandwich_norms=sandwich_norms,
                 embed_scale=embed_scale,
                 act=act,
-                layer_types=tuple(str(t) for t in cfg.get("layer_types") or ()),
+                layer_types=_layer_types(cfg),
                 rope_by_type=_rope_by_type(cfg, hidden // heads if not cfg.get("head_dim") else int(cfg["head_dim"])),
                 rope_scaling_by_type=_rope_scaling_by_type(cfg),
-                attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+                attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else
+                float(cfg["attention_multiplier"]) if cfg.get("attention_multiplier") is not None else None,
                 final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
+                pre_norms=pre_norms,
+                qk_norm_full=qk_norm_full,
+                embedding_multiplier=_multiplier(cfg, "embedding_multiplier"),
+                residual_multiplier=_multiplier(cfg, "residual_multiplier") or 1.0,
+                logits_divisor=_multiplier(cfg, "logits_scaling") or 1.0,
+                nope_layers=_nope_layers(cfg),
+                original_max_position=int(cfg["original_max_position_embeddings"])
+                if cfg.get("original_max_position_embeddings") else None,
             )
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
@@ -125,6 +154,7 @@ class ModelSpec:
                 raise SpecError(f"config.json: {name}={v} is out of range (1..{hi})")
         if not (spec.rms_eps > 0 and spec.rope_theta > 0):
             raise SpecError("config.json: rms_norm_eps and rope_theta must be positive")
+        _check_implemented(cfg, spec)
         if spec.layer_types and (len(spec.layer_types) != spec.layers or
                                  set(spec.layer_types) - {"full_attention", "sliding_attention"}):
             raise SpecError("config.json: layer_types must list full_attention/sliding_attention for every layer")
@@ -133,11 +163,20 @@ class ModelSpec:
         for t, theta, rot in spec.rope_by_type:
             if not (theta > 0 and 0 < rot <= spec.head_dim and rot % 2 == 0):
                 raise SpecError(f"config.json: RoPE for {t}: theta {theta} / rotary dim {rot} out of range")
+        if isinstance(cfg.get("no_rope_layers"), list) and len(cfg["no_rope_layers"]) != spec.layers:
+            raise SpecError(f"config.json: no_rope_layers lists {len(cfg['no_rope_layers'])} layers, the model has {spec.layers}")
         if spec.heads % spec.kv_heads:
             raise SpecError(f"config.json: {spec.heads} heads is not a multiple of {spec.kv_heads} kv heads")
         for rs in (spec.rope_scaling, *spec.rope_scaling_by_type.values()):
-            if rs and rs.get("rope_type", rs.get("type")) not in (None, "default", "llama3", "linear", "yarn"):
-                raise SpecError(f"config.json: rope_scaling {rs.get('rope_type', rs.get('type'))!r} is not supported yet")
+            kind = rs.get("rope_type", rs.get("type")) if rs else None
+            if kind not in (None, "default", "llama3", "linear", "yarn", "longrope"):
+                raise SpecError(f"config.json: RoPE type {kind!r} (rope_parameters / rope_scaling) is not implemented "
+                                "(sparkq runs default, linear, llama3, yarn and longrope)")
+            if kind == "longrope":
+                for key in ("short_factor", "long_factor"):
+                    f = rs.get(key)
+                    if not isinstance(f, list) or len(f) * 2 != max(rot for _, _, rot in spec.rope_by_type):
+                        raise SpecError(f"config.json: rope_scaling {key} must list rotary_dim / 2 factors")
         return spec
 
     @property
@@ -170,16 +209,83 @@ class ModelSpec:
             return [self.intermediate, self.intermediate]
         return [self.linear_shapes()[name][0]]
 
+    def _norm_shape(self, n: str) -> tuple[int]:
+        if n in ("q_norm", "k_norm"):
+            return ((self.q_dim if n == "q_norm" else self.kv_dim),) if self.qk_norm_full else (self.head_dim,)
+        return (self.hidden,)
+
     def vector_shapes(self) -> dict[str, tuple[int, ...]]:
         """Artifact norm / bias tensor name -> shape (all bf16)."""
         out = {}
         for i in range(self.layers):
             for n in self.layer_norms:
-                out[f"layers.{i}.{n}.weight"] = (self.head_dim,) if n in ("q_norm", "k_norm") else (self.hidden,)
+                out[f"layers.{i}.{n}.weight"] = self._norm_shape(n)
             if self.qkv_bias:
                 out[f"layers.{i}.qkv.bias"] = (self.q_dim + 2 * self.kv_dim,)
         out["norm.weight"] = (self.hidden,)
         return out
+
+
+ACTS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+
+
+def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
+    """Config fields that would change the math in a way sparkq does not implement: refused by name,
+    never converted into a silently different model."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
+    if act is not None and act not in ACTS[spec.act]:
+        field_ = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+        raise SpecError(f"config.json: {field_}={act!r} is not implemented for {spec.family} "
+                        f"(sparkq runs {' / '.join(ACTS[spec.act])} here)")
+    if cfg.get("mlp_bias"):
+        raise SpecError("config.json: mlp_bias=true (biases on the MLP projections) is not implemented")
+    if cfg.get("attention_bias") and not spec.qkv_bias:
+        raise SpecError("config.json: attention_bias=true (biases on q/k/v/o) is not implemented for "
+                        f"{spec.family}")
+    if cfg.get("attn_logit_softcapping"):
+        raise SpecError("config.json: attn_logit_softcapping (soft-capped attention scores) is not implemented")
+    types = set(cfg.get("layer_types") or cfg.get("layers_block_type") or ())
+    if types & {"mamba", "linear_attention"}:
+        raise SpecError("config.json: layer_types has mamba layers (a hybrid state-space model): not implemented; "
+                        "sparkq runs the configs whose layers are all attention")
+    if cfg.get("num_local_experts"):
+        raise SpecError(f"config.json: num_local_experts={cfg['num_local_experts']} (mixture-of-experts MLPs) is "
+                        "not implemented; sparkq runs dense MLPs")
+    if cfg.get("use_bidirectional_attention"):
+        raise SpecError("config.json: use_bidirectional_attention=true (an encoder) is not implemented")
+
+
+def _layer_types(cfg: dict) -> tuple[str, ...]:
+    """Per-layer attention types; GraniteMoeHybrid's "attention" is full attention (its "mamba"
+    layers are refused by _check_implemented)."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ()
+    return tuple({"attention": "full_attention"}.get(str(t), str(t)) for t in types)
+
+
+def _multiplier(cfg: dict, key: str) -> float | None:
+    """A positive scalar field of the config (Granite's multipliers), None where absent or 1."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    v = float(v)
+    if not (v > 0 and v != float("inf")):
+        raise SpecError(f"config.json: {key}={v} must be a positive number")
+    return None if v == 1.0 else v
+
+
+def _nope_layers(cfg: dict) -> tuple[int, ...]:
+    """The layers without RoPE: SmolLM3's no_rope_layers (one flag per layer, 0: no RoPE)."""
+    if "position_embedding_type" in cfg and cfg["position_embedding_type"] != "rope":  # GraniteMoeHybrid: NoPE
+        return tuple(range(int(cfg["num_hidden_layers"])))
+    flags = cfg.get("no_rope_layers")
+    if flags is None and cfg.get("no_rope_layer_interval"):  # transformers' default list from the interval
+        n = int(cfg["no_rope_layer_interval"])
+        flags = [int((i + 1) % n != 0) for i in range(int(cfg["num_hidden_layers"]))]
+    if flags is None:
+        return ()
+    if not isinstance(flags, list) or any(f not in (0, 1) for f in flags):
+        raise SpecError("config.json: no_rope_layers must list 0 or 1 per layer")
+    return tuple(i for i, f in enumerate(flags) if f == 0)
 
 
 def _flat_rope(cfg: dict) -> dict:
@@ -212,7 +318,7 @@ def _rope_by_type(cfg: dict, head_dim: int) -> tuple:
     (Gemma3) and a top-level ``partial_rotary_factor``."""
     rp = cfg.get("rope_parameters")
     top_factor = float(cfg.get("partial_rotary_factor", 1.0))
-    base = float(cfg.get("rope_theta", 10000.0))
+    base = float(cfg.get("rope_theta") or 10000.0)
     out = {}
     if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
         for t, v in rp.items():

@@ -19,6 +19,8 @@ def _load_json(p: Path) -> dict:
 
 class ChatTokenizer:
     def __init__(self, tok, tcfg: dict, gen: dict, config: dict, chat_template: str | None):
+        # the template's switches (chat_template_kwargs), e.g. {"enable_thinking": False} (SmolLM3, Qwen3)
+        self.template_kwargs: dict = {}
         self.tok = tok
         self.tcfg = tcfg
         self.generation_config = gen
@@ -82,7 +84,12 @@ class ChatTokenizer:
         def raise_exception(msg):
             raise RuntimeUserError(f"chat template: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+        class Undefined(jinja2.Undefined):
+            """As transformers' (jinja2's default): a template may test or loop over variables only some
+            callers pass (SmolLM3's xml_tools); printing one is an error, not an empty string"""
+            __str__ = jinja2.Undefined._fail_with_undefined_error
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=Undefined,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = raise_exception
@@ -91,7 +98,7 @@ class ChatTokenizer:
             # the variables transformers' apply_chat_template provides (tools and documents unset)
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **self.template_kwargs)
         except jinja2.UndefinedError as e:
             raise RuntimeUserError(f"chat template uses a variable sparkq does not provide ({e}); "
                                    "fix the template or run without --chat") from None

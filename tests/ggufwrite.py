@@ -11,7 +11,10 @@ import numpy as np
 
 # HF architecture -> GGUF architecture (llama.cpp writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+             "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
+             "GraniteMoeHybridForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2"}
+PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's q/k row permutation (LlamaModel.permute)
 LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
@@ -19,6 +22,9 @@ LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
 LAYER_LLAMA = {**LAYER, "post_attention_layernorm": "ffn_norm"}
 LAYER_GEMMA = {**LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
+LAYER_PHI3 = {**LAYER_LLAMA, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+LAYER_OLMO2 = {**LAYER, "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+LAYER_GRANITE4 = {**LAYER_LLAMA, "shared_mlp.output_linear": "ffn_down"}  # input_linear: split into ffn_gate, ffn_up
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}" \
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
@@ -71,7 +77,7 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     the linears; spm: a SentencePiece vocabulary instead of src's byte-level one, default for
     Mistral and Gemma 3)."""
     import gguf
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     cfg = json.loads((src / "config.json").read_text())
     hf_arch = cfg["architectures"][0]
@@ -79,8 +85,8 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     gemma = arch == "gemma3"
     spm = hf_arch in ("MistralForCausalLM", "Gemma3ForCausalLM") if spm is None else spm
     tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    for f in sorted(src.glob("*.safetensors")):  # (bf16 or fp32 checkpoints, as float32 arrays)
+        tensors.update({k: v.float().numpy() for k, v in load_file(str(f)).items()})
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
@@ -88,13 +94,27 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_feed_forward_length(cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-    if arch == "llama":
+    if arch in PERMUTED:
         w.add_rope_dimension_count(head_dim)
+    rp = cfg.get("rope_parameters") or {}
+    if arch == "phi3":  # Phi3Model.set_gguf_parameters / generate_extra_tensors
+        rot = int(head_dim * float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
+        w.add_rope_dimension_count(rot)
+        if rp.get("rope_type") == "longrope":
+            orig = int(rp.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+            w.add_rope_scaling_orig_ctx_len(orig)
+            scale = cfg["max_position_embeddings"] / orig
+            w.add_rope_scaling_attn_factors(1.0 if scale <= 1 else (1 + np.log(scale) / np.log(orig)) ** 0.5)
+    if arch == "granite":  # GraniteModel.set_gguf_parameters
+        for key, add in (("embedding_multiplier", w.add_embedding_scale), ("residual_multiplier", w.add_residual_scale),
+                         ("attention_multiplier", w.add_attention_scale), ("logits_scaling", w.add_logit_scale)):
+            if cfg.get(key) is not None:
+                add(float(cfg[key]))
     if arch in ("qwen3", "gemma3") or head_dim != cfg["hidden_size"] // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -133,7 +153,9 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
         w.add_eos_token_id(cfg.get("eos_token_id") or 256)
         w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
-    layer_map = LAYER_GEMMA if gemma else LAYER_LLAMA
+    layer_map = {"gemma3": LAYER_GEMMA, "phi3": LAYER_PHI3, "olmo2": LAYER_OLMO2}.get(arch, LAYER_LLAMA)
+    if hf_arch == "GraniteMoeHybridForCausalLM":
+        layer_map = LAYER_GRANITE4
 
     def put(name, arr):
         arr = np.ascontiguousarray(arr.astype(np.float32))
@@ -148,6 +170,9 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
             return
         w.add_tensor(name, arr)
 
+    if arch == "phi3" and rp.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rp["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rp["short_factor"], np.float32))
     put("token_embd.weight", tensors["model.embed_tokens.weight"])
     for i in range(cfg["num_hidden_layers"]):
         for hf, gg in layer_map.items():
@@ -156,11 +181,15 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
                 if name not in tensors:
                     continue
                 t = tensors[name]
-                if arch == "llama" and hf == "self_attn.q_proj":
+                if arch in PERMUTED and hf == "self_attn.q_proj":
                     t = permute(t, heads, heads)
-                elif arch == "llama" and hf == "self_attn.k_proj":
+                elif arch in PERMUTED and hf == "self_attn.k_proj":
                     t = permute(t, heads, kv)
                 put(f"blk.{i}.{gg}.{suffix}", t)
+        gu = tensors.get(f"model.layers.{i}.shared_mlp.input_linear.weight")
+        if gu is not None:  # GraniteMoeHybridModel.modify_tensors: [gate; up] split
+            put(f"blk.{i}.ffn_gate.weight", gu[: gu.shape[0] // 2])
+            put(f"blk.{i}.ffn_up.weight", gu[gu.shape[0] // 2:])
     put("output_norm.weight", tensors["model.norm.weight"])
     if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", False):
         put("output.weight", tensors["lm_head.weight"])

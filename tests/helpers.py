@@ -38,21 +38,34 @@ def byte_tokenizer(vocab_size: int) -> str:
 
 def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=320, tied=True,
                seed=0, dtype=torch.bfloat16, head_dim=None, arch="llama", **extra) -> Path:
-    """A random decoder (llama, qwen2, qwen3, mistral, gemma3) saved as an HF checkpoint with a tokenizer."""
+    """A random decoder (llama, qwen2, qwen3, mistral, gemma3, granite, olmo2, phi3, smollm3) saved as
+    an HF checkpoint with a tokenizer."""
     import transformers
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma3": "Gemma3"}[arch]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma3": "Gemma3",
+            "gemma3mm": "Gemma3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3", "smollm3": "SmolLM3",
+            "granitemoehybrid": "GraniteMoeHybrid"}[arch]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, "Gemma3TextConfig" if arch == "gemma3" else f"{name}Config")(
+    cfg = getattr(transformers, "Gemma3TextConfig" if arch.startswith("gemma3") else f"{name}Config")(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
         tie_word_embeddings=tied, max_position_embeddings=extra.pop("max_position_embeddings", 512), rms_norm_eps=1e-5,
         rope_theta=10000.0, head_dim=head_dim or hidden // heads, eos_token_id=256, bos_token_id=None, **extra)
-    model = getattr(transformers, f"{name}ForCausalLM")(cfg)
+    if arch == "gemma3mm":  # the text model inside Gemma 3's multimodal wrapper (4B and up), a tiny vision tower
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=32, patch_size=16)
+        cfg = transformers.Gemma3Config(text_config=cfg, vision_config=vision, mm_tokens_per_image=4,
+                                        image_token_index=vocab - 3, boi_token_index=vocab - 2, eoi_token_index=vocab - 1,
+                                        tie_word_embeddings=tied)
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
+    else:
+        model = getattr(transformers, f"{name}ForCausalLM")(cfg)
     with torch.no_grad():  # larger-than-default weights so errors are visible
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif arch.startswith("gemma3"):  # (1 + w) norms: w near 0, as trained Gemma norms are
+                p.uniform_(-0.2, 0.2)
             else:
                 p.uniform_(0.8, 1.2)
         for n, p in model.named_parameters():

@@ -23,6 +23,29 @@ FAMILIES = {
     # sandwich norms, sqrt(hidden) embedding scale, GELU-tanh, query_pre_attn_scalar
     "gemma3": dict(arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40),
     # Gemma3 >= 4B: linear RoPE scaling on the full-attention layers only
+    # Granite 3: the four multipliers (embedding, attention scale, residual, logits divisor)
+    "granite": dict(arch="granite", embedding_multiplier=6.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                    logits_scaling=4.0),
+    # OLMo 2: no pre-norms (post-attention / post-MLP norms only), q/k norms over the whole width
+    "olmo2": dict(arch="olmo2", tied=False),
+    # SmolLM3: every 4th layer without RoPE (no_rope_layers: 0), as SmolLM3-3B
+    "smollm3": dict(arch="smollm3", layers=4, no_rope_layers=[1, 1, 1, 0], pad_token_id=None),
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary 0.75, LongRoPE with short
+    # factors (28 positions within original_max_position_embeddings) and with long ones (past it)
+    "phi3": dict(arch="phi3", pad_token_id=None, partial_rotary_factor=0.75, original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(12)],
+        "long_factor": [1.5 + 0.5 * i for i in range(12)], "partial_rotary_factor": 0.75}),
+    "phi3-long": dict(arch="phi3", pad_token_id=None, original_max_position_embeddings=16, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+        "long_factor": [1.0 + 0.4 * i for i in range(16)]}),
+    # Gemma 3 >= 4B: the text model inside Gemma3ForConditionalGeneration (vision tower dropped)
+    "gemma3-mm": dict(arch="gemma3mm", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40),
+    # Granite 4.0 dense: GraniteMoeHybrid with attention layers only and the shared (dense) MLP
+    "granitemoehybrid": dict(arch="granitemoehybrid", layer_types=["attention", "attention"], num_local_experts=0,
+                             shared_intermediate_size=192, position_embedding_type="rope", embedding_multiplier=6.0,
+                             residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0, pad_token_id=None),
+    "granitemoehybrid-nope": dict(arch="granitemoehybrid", layer_types=["attention", "attention"], num_local_experts=0,
+                                  shared_intermediate_size=192, position_embedding_type="nope", pad_token_id=None),
     "gemma3-scaled": dict(arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40,
                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
@@ -158,3 +181,105 @@ def test_per_layer_type_rope_scaling_in_both_config_styles():
         plain = 1.0 / (1e4 ** (np.arange(0, 64, 2) / 64))
         assert np.allclose(rope_inv_freq(spec, 64, 1e4, 0), plain, rtol=1e-6)
         assert np.allclose(rope_inv_freq(spec, 64, 1e6, 5), 1.0 / (1e6 ** (np.arange(0, 64, 2) / 64)) / 8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_family_logits_over_200_positions_within_2_percent(fam, tmp_path):
+    """The bf16 checkpoint through sparkq's torch runtime (the C prompt path, bf16 linears) against
+    transformers' fp32 logits over 200 positions: relative error (Frobenius) under 2%. Past 64
+    positions, so LongRoPE (phi3) runs its long factors in both."""
+    src = make_llama(tmp_path / fam, **FAMILIES[fam])
+    seq = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = _hf_logits(src, seq, torch.float32)
+    ours = load(str(src), max_model_len=256, kv_dtype="bf16").logits(seq)
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    # (a random model whose own bf16 run drifts further, e.g. attention without positions: no
+    # further than transformers' bf16)
+    hf16 = ((_hf_logits(src, seq, torch.bfloat16) - ref).norm() / ref.norm()).item()
+    assert rel < max(0.02, hf16), (fam, rel, hf16)
+
+
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_family_batched_step_is_the_single_step(fam, kernel_build, family):
+    """The server's batched decode step (sq_step_many) gives each sequence the single step's bits."""
+    from sparkq.runtime.lite import load as load_lite
+
+    _, out, seq, _, _ = family(fam)
+    batch, single = (load_lite(str(out), max_model_len=64, kv_budget_mib=4, slots=n) for n in (3, 1))
+    prompts = [seq[:9], seq[3:20], seq[:4]]
+    offs = [i * batch.slot_elems for i in range(3)]
+    for p, o in zip(prompts, offs):
+        batch.session.prefill(p, 0, kvoff=o)
+    got = batch.session.step_many([7, 8, 9], [len(p) for p in prompts], offs)
+    for i, p in enumerate(prompts):
+        single.prefill(p)
+        assert np.array_equal(got[i], single.step(7 + i, len(p))), (fam, i)
+
+
+REFUSALS = {  # family -> (config edit, the field the one-line error names)
+    "granite": (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    "olmo2": (lambda c: c.update(mlp_bias=True), "mlp_bias"),
+    "phi3": (lambda c: c["rope_parameters"].update(rope_type="dynamic"), "'dynamic'"),
+    "smollm3": (lambda c: c.update(no_rope_layers=[1, 0]), "no_rope_layers"),
+    "gemma3-mm": (lambda c: c.pop("text_config"), "text_config"),
+    "granitemoehybrid": (lambda c: c.update(layer_types=["attention", "mamba"]), "mamba"),
+    "granitemoehybrid-experts": (lambda c: c.update(num_local_experts=4), "num_local_experts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_family_config_fields_sparkq_does_not_implement_are_refused(case, tmp_path):
+    """A config field that would make a different model than sparkq runs: one line naming it, exit
+    2, nothing written."""
+    import json
+
+    from helpers import run_cli
+    edit, field = REFUSALS[case]
+    src = make_llama(tmp_path / "src", **FAMILIES[case.removesuffix("-experts")])
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (src / "config.json").write_text(json.dumps(cfg))
+    p = run_cli("spark-convert", src, tmp_path / "out", "--method", "minmax")
+    assert p.returncode == 2 and field in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_names_the_family_and_a_text_only_source(family):
+    """inspect says which family an artifact is, and that a multimodal source's is text only."""
+    from helpers import run_cli
+
+    for fam in ("phi3", "gemma3-mm"):
+        p = run_cli("sparkq", "inspect", family(fam)[1])
+        assert p.returncode == 0 and fam.split("-")[0] in p.stdout, p.stdout
+    assert "text_only" in run_cli("sparkq", "inspect", family("gemma3-mm")[1]).stdout
+    from sparkq.convert.publish import model_card
+    assert "Text only." in str(model_card(Artifact.open(family("gemma3-mm")[1]), "org/g3", ["rows32"]))
+    assert "Text only." not in str(model_card(Artifact.open(family("phi3")[1]), "org/p3", ["rows32"]))
+
+
+def test_the_thinking_switch_reaches_the_chat_template(tmp_path):
+    """SmolLM3's template tests variables only some callers pass (xml_tools) and reads enable_thinking:
+    it renders as transformers renders it, and --no-think switches it."""
+    import json
+
+    from helpers import run_cli
+    from sparkq.runtime.tokenizer import ChatTokenizer
+
+    src = make_llama(tmp_path / "m", **FAMILIES["smollm3"])
+    tcfg = json.loads((src / "tokenizer_config.json").read_text())
+    tcfg["chat_template"] = ("{%- if xml_tools or python_tools or tools %}TOOLS{% endif %}"
+                             "{%- if enable_thinking is defined and enable_thinking is false %}/no_think{% else %}/think{% endif %}"
+                             "{% for m in messages %}|{{ m['content'] }}{% endfor %}")
+    (src / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    tok = ChatTokenizer.from_dir(src, json.loads((src / "config.json").read_text()))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.render_chat(msgs) == "/think|hi"
+    tok.template_kwargs = {"enable_thinking": False}
+    assert tok.render_chat(msgs) == "/no_think|hi"
+    art = tmp_path / "art"
+    convert(str(src), str(art), Options(progress=False, method="minmax"))
+    for flag, want in (("--think", "/think|hi"), ("--no-think", "/no_think|hi")):
+        p = run_cli("sparkq", "generate", art, "hi", "--chat", flag, "--max-new-tokens", "1", "--json")
+        assert p.returncode == 0, p.stderr
+        assert tok.decode(json.loads(p.stdout)["prompt_ids"]) == want

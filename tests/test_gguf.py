@@ -109,3 +109,31 @@ def test_chat_templates_see_the_variables_transformers_provides(tmp_path):
     (src / "tokenizer_config.json").write_text(json.dumps(tcfg))
     tok = ChatTokenizer.from_dir(src, json.loads((src / "config.json").read_text()))
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "20[user]hi"
+
+
+@pytest.mark.parametrize("fam", ["phi3", "smollm3", "granite", "granitemoehybrid", "olmo2", "qwen3"])
+def test_gguf_input_gives_the_safetensors_artifact(fam, tmp_path):
+    """A family's GGUF, as llama.cpp writes it (fused qkv and gate_up for phi3 with its LongRoPE
+    factor tensors, q/k permuted for smollm3 and granite, Granite 4.0's shared MLP split into
+    ffn_gate / ffn_up, OLMo 2's post norms), converts to the same weights file as the safetensors
+    checkpoint it came from (minmax; key scaling off: it measures keys on calibration text, and the
+    test writer's vocabulary tokenizes that text differently from the checkpoint's)."""
+    from ggufwrite import write_gguf
+    from helpers import make_llama
+    from test_families import FAMILIES
+
+    from sparkq.convert.pipeline import Options, convert
+    from sparkq.formats import Artifact
+
+    src = make_llama(tmp_path / fam, **FAMILIES[fam])
+    gg = write_gguf(src, tmp_path / f"{fam}.gguf", "F32")
+    opts = Options(progress=False, method="minmax", key_scaling=False)
+    convert(str(src), str(tmp_path / "st"), opts)
+    convert(str(gg), str(tmp_path / "gg"), opts)
+    a, b = Artifact.open(tmp_path / "st"), Artifact.open(tmp_path / "gg")
+    assert {n: lin.encoding for n, lin in a.linears.items()} == {n: lin.encoding for n, lin in b.linears.items()}
+    assert a.weights_path.read_bytes() == b.weights_path.read_bytes(), fam
+    assert a.spec.nope_layers == b.spec.nope_layers and a.spec.layer_attention(0) == b.spec.layer_attention(0)
+    for f in ("residual_multiplier", "logits_divisor", "embedding_multiplier", "attn_scale"):  # (float32 in GGUF)
+        x, y = getattr(a.spec, f), getattr(b.spec, f)
+        assert (x is None and y is None) or x == pytest.approx(y, rel=1e-6), (f, x, y)

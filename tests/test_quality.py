@@ -16,12 +16,14 @@ from sparkq.convert.quantize import quantize_rows
 from sparkq.formats import Artifact
 from sparkq.formats.layout import dequantize_codes
 from sparkq.runtime import load
+from test_families import FAMILIES as FAM
 
 FAMILIES = {
     "llama": dict(),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3", head_dim=48),
     "gemma3": dict(arch="gemma3", layers=6, sliding_window=8, head_dim=48, query_pre_attn_scalar=40),
+    **{f: FAM[f] for f in ("granite", "olmo2", "phi3", "smollm3", "granitemoehybrid", "gemma3-mm")},
 }
 
 
@@ -262,8 +264,9 @@ def test_calibration_forward_matches_transformers(fam, tmp_path):
 
     from sparkq.convert.calib import Calibration
     from sparkq.convert.plan import plan
-    from sparkq.convert.source import read_fused_rows as _read_fused_rows
     from sparkq.convert.source import open_source
+    from sparkq.convert.source import read_fused_rows as _read_fused_rows
+    from sparkq.runtime.torchrt.layers import Layers
 
     src = make_llama(tmp_path / fam, dtype=torch.float32, **FAMILIES[fam])
     source = open_source(str(src))
@@ -277,9 +280,7 @@ def test_calibration_forward_matches_transformers(fam, tmp_path):
         assert h.shape == (by[name].k, by[name].k)
         w = _read_fused_rows(source, by[name].sources, spec.part_rows(name), 0, by[name].n)
         if name == "lm_head":
-            ours = (cal.inp @ w.T).view(2, 24, -1)
-            if spec.final_softcap:
-                ours = torch.tanh(ours / spec.final_softcap) * spec.final_softcap
+            ours = Layers(spec, None).logits((cal.inp @ w.T).view(2, 24, -1))  # (divisor, softcap)
         cal.advance(name, w)
     m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():

@@ -12,7 +12,7 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 11
+ABI = 12
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -29,8 +29,8 @@ class SqLayer(ctypes.Structure):
 
 class SqModel(ctypes.Structure):
     _fields_ = [(n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "cap", "act",
-                                  "norm_offset", "refine_top", "kv_int8")] + [
-        (n, _D) for n in ("eps", "attn_scale", "embed_mult")] + [
+                                  "norm_offset", "refine_top", "kv_int8", "qk_norm_full")] + [
+        (n, _D) for n in ("eps", "attn_scale", "embed_mult", "res_mult")] + [
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)]
 
 

@@ -112,6 +112,7 @@ class Session:
         m.refine_top = REFINE_SPLIT if head.res is not None else REFINE_TOP
         m.kv_int8 = int(kscale is not None)
         m.eps, m.attn_scale, m.embed_mult = spec.rms_eps, attn_scale, embed_mult
+        m.res_mult, m.qk_norm_full = spec.residual_multiplier, int(spec.qk_norm and spec.qk_norm_full)
         self.layers = layers
         m.layer = ctypes.cast(layers, ctypes.POINTER(abi.SqLayer))
         m.head, m.embed = linear_struct(lib, head), linear_struct(lib, linears.get(C.ROLE_EMBED, head))
@@ -134,6 +135,10 @@ class Session:
             self.batch = None
 
     def _softcap(self, logits: np.ndarray) -> np.ndarray:
+        """The logits as the model returns them: divided (Granite's logits_scaling), soft-capped
+        (runtime/torchrt/layers.py Layers.logits, in place)."""
+        if self.spec.logits_divisor != 1.0:
+            logits /= np.float32(self.spec.logits_divisor)
         c = self.spec.final_softcap
         if c:
             np.tanh(logits / c, out=logits)

@@ -51,12 +51,6 @@ def physical_cores() -> int:
     return len(cores) or len(cpus) or 1
 
 
-def _bf16_round(x: float) -> float:
-    u = int(np.array(x, dtype=np.float32).view(np.uint32))
-    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return float(np.array(u, dtype=np.uint32).view(np.float32))
-
-
 def _clinear(name: str, li, t: dict) -> core.CLinear:
     """An artifact linear (formats LinearEntry) over the mapped arrays."""
     return core.clinear(li.kind, li.n, li.k, li.group_size, lambda s: t.get(f"{name}.{s}"))
@@ -109,7 +103,7 @@ class LiteModel(Generator):
         vectors = {n: t[n] for n in spec.vector_shapes()}
         self.session = core.Session(lib, spec, linears, vectors, per_layer, self.k, self.v, cap, threads=threads,
                                     attn_scale=core.attn_scale(spec),
-                                    embed_mult=_bf16_round(spec.hidden ** 0.5) if spec.embed_scale else 0.0,
+                                    embed_mult=spec.embed_mult or 0.0,
                                     kscale=self.k_scale, vscale=self.v_scale)
         config = art.config
         tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None

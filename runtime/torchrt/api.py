@@ -9,7 +9,7 @@ import torch
 from sparkq.formats import constants as C
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, ROWS32, LayoutError, host_layout
-from sparkq.formats.recipe import recipe_for_config
+from sparkq.formats.recipe import recipe_for_config, text_model_view, wrapper_architecture
 from sparkq.formats.spec import ModelSpec
 
 from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD,  # noqa: F401
@@ -44,8 +44,10 @@ def _load_bf16_checkpoint(path: Path):
         config = json.loads((path / "config.json").read_text())
         if not isinstance(config, dict):
             raise ValueError("not an object")
-        recipe = recipe_for_config(config)
-        spec = ModelSpec.from_recipe(config, recipe)
+        wrapper = wrapper_architecture(config)
+        if wrapper is None:
+            recipe = recipe_for_config(config)
+            spec = ModelSpec.from_recipe(config, recipe)
     except FileNotFoundError:
         raise RuntimeUserError(f"{path}: neither a sparkq artifact nor an HF checkpoint (no config.json)") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
@@ -66,11 +68,22 @@ def _load_bf16_checkpoint(path: Path):
             raise RuntimeUserError(f"{f}: not a readable safetensors file ({str(e)[:100]})") from None
         for k in h.keys():
             handles[k] = h
+    if wrapper is not None:  # a multimodal checkpoint: its text model, under its text-only names
+        try:
+            config, names = text_model_view(config, handles)
+            recipe = recipe_for_config(config)
+            spec = ModelSpec.from_recipe(config, recipe)
+        except ValueError as e:
+            raise RuntimeUserError(f"{path}/config.json: {e}") from None
+        handles = {t: handles[n] for t, n in names.items()}
+        renamed = {t: n for t, n in names.items()}
+    else:
+        renamed = {}
 
     def get(name, shape):
         if name not in handles:
             raise RuntimeUserError(f"{path}: tensor {name} missing from the checkpoint")
-        t = handles[name].get_tensor(name)
+        t = handles[name].get_tensor(renamed.get(name, name))
         if tuple(t.shape) != tuple(shape) or not t.is_floating_point():
             raise RuntimeUserError(f"{path}: tensor {name} is {t.dtype}{list(t.shape)}, config.json implies a float {list(shape)}")
         return t.to(torch.bfloat16)
@@ -78,7 +91,8 @@ def _load_bf16_checkpoint(path: Path):
     srcs = recipe.source_names(spec)
     linears = {}
     for name, (_, k) in spec.linear_shapes().items():
-        parts = [get(n, (r, k)) for n, r in zip(srcs[name], spec.part_rows(name))]
+        rows = spec.part_rows(name) if len(srcs[name]) > 1 else [spec.linear_shapes()[name][0]]  # (fused: Phi-3)
+        parts = [get(n, (r, k)) for n, r in zip(srcs[name], rows)]
         linears[name] = DenseLinear(name, parts[0] if len(parts) == 1 else torch.cat(parts, 0))
     norms = {}
     for n, (size,) in spec.vector_shapes().items():

@@ -56,7 +56,7 @@ def clinear(lin) -> core.CLinear:
 def session(model, lib, threads: int) -> core.Session:
     """The C core over the torch model's tensors (linears, norms, RoPE tables, KV cache)."""
     ropes = [(cfg.rope.cos, cfg.rope.sin) for cfg in model.layer_cfg]
-    embed_mult = float(model.embed_mult) if model.embed_mult is not None else 0.0
+    embed_mult = model.embed_mult or 0.0
     return core.Session(lib, model.spec, {n: clinear(lin) for n, lin in model.lin.items()}, model.norms, ropes,
                         model.cache.k, model.cache.v, model.cache.capacity, threads=threads, attn_scale=model.scale,
                         embed_mult=embed_mult, kscale=model.cache.k_scale, vscale=model.cache.v_scale)

@@ -72,7 +72,8 @@ def rope_cos_sin(spec: ModelSpec, layer: int, length: int) -> tuple[torch.Tensor
     formats/rope.py), evaluated in torch fp32: the calibration's tables (the runtimes read
     formats.rope's bf16 tables)."""
     theta, rot, _ = spec.layer_attention(layer)
-    f = torch.outer(torch.arange(length, dtype=torch.float32), torch.from_numpy(rope_inv_freq(spec, rot, theta, layer)))
+    inv = rope_inv_freq(spec, rot, theta, layer, context=length)
+    f = torch.outer(torch.arange(length, dtype=torch.float32), torch.from_numpy(inv))
     emb = torch.cat([f, f], -1)
     att = rope_attention_factor(spec, layer)
     return emb.cos() * att, emb.sin() * att
@@ -101,10 +102,10 @@ class Layers:
         return rms_norm(x, self.vec(name), self.spec.rms_eps, self.spec.norm_offset)
 
     def attn_in(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return self.norm(x, f"layers.{i}.attn_norm.weight")
+        return self.norm(x, f"layers.{i}.attn_norm.weight") if self.spec.pre_norms else x
 
     def mlp_in(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return self.norm(x, f"layers.{i}.mlp_norm.weight")
+        return self.norm(x, f"layers.{i}.mlp_norm.weight") if self.spec.pre_norms else x
 
     def qkv_heads(self, qkv: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The qkv product [..., T, q_dim + 2 kv_dim] -> q [..., T, heads, D], k and v [..., T, kv_heads,
@@ -114,8 +115,10 @@ class Layers:
             qkv = qkv + self.vec(f"layers.{i}.qkv.bias")
         q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
         lead = qkv.shape[:-1]
+        if s.qk_norm and s.qk_norm_full:  # over all heads, before the split (OLMo2)
+            q, k = self.norm(q, f"layers.{i}.q_norm.weight"), self.norm(k, f"layers.{i}.k_norm.weight")
         q, k = q.reshape(*lead, s.heads, s.head_dim), k.reshape(*lead, s.kv_heads, s.head_dim)
-        if s.qk_norm:
+        if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(q, f"layers.{i}.q_norm.weight"), self.norm(k, f"layers.{i}.k_norm.weight")
         return q, k, v.reshape(*lead, s.kv_heads, s.head_dim)
 
@@ -128,7 +131,7 @@ class Layers:
         sandwich-normed where the family does (Gemma)."""
         if self.spec.sandwich_norms:
             h = self.norm(h, f"layers.{i}.{'post_attn_norm' if role == C.ROLE_O else 'post_mlp_norm'}.weight")
-        return h
+        return h * self.spec.residual_multiplier if self.spec.residual_multiplier != 1.0 else h
 
     def residual(self, x: torch.Tensor, h: torch.Tensor, i: int, role: str) -> torch.Tensor:
         return x + self.branch(h, i, role)
@@ -136,6 +139,15 @@ class Layers:
     def final(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, "norm.weight")
 
-    def embed_scale(self) -> torch.Tensor | None:
-        """The embedding multiplier (Gemma: sqrt(hidden), rounded to bf16), or None."""
-        return torch.tensor(self.spec.hidden ** 0.5).to(torch.bfloat16) if self.spec.embed_scale else None
+    def embed_scale(self) -> float | None:
+        """The embedding multiplier (Gemma: sqrt(hidden), rounded to bf16; Granite's), or None."""
+        return self.spec.embed_mult
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output as the model returns it: divided (Granite's logits_scaling), soft-capped (Gemma 2)."""
+        s = self.spec
+        if s.logits_divisor != 1.0:
+            logits = logits / s.logits_divisor
+        if s.final_softcap:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        return logits

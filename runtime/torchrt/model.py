@@ -191,15 +191,12 @@ class Model:
         return self._head(lay.final(x).contiguous())
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.spec
         logits = self.head(x, out_dtype=torch.float32)
         if getattr(self.head, "residual", None) is not None:
             self._refine_split(logits, x)
         elif self.head.uses_kernel(x.shape[0]):
             self._refine_top(logits, x)
-        if s.final_softcap:
-            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
-        return logits
+        return self.layers.logits(logits)
 
     def _refine_top(self, logits: torch.Tensor, x: torch.Tensor) -> None:
         """Recompute the top REFINE_TOP logits of each row in fp32.

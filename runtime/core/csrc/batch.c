@@ -121,6 +121,10 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                     prep(&L->qkv, xn + t * maxk, &a[t]);
                 }
                 products_many(&L->qkv, a, M, qkv, nqkv);
+                if (m->qk_norm_full) {
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) qk_norm_wide(m, L, qkv + t * nqkv);
+                }
 #pragma omp for schedule(static)
                 for (int64_t it = 0; it < M * (H + KV); it++) {
                     const int64_t t = it / (H + KV);

@@ -2,6 +2,10 @@
  * and the KV-cache write, residual adds, SwiGLU / GELU, and embedding rows. */
 
 static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, int offset, float *out) {
+    if (!w) { /* a layer without this norm (OLMo2 has none before attention and the MLP) */
+        if (out != x) memcpy(out, x, sizeof(float) * d);
+        return;
+    }
     double ss = 0.0;
     int64_t i0 = 0;
 #ifdef SQ_AVX512
@@ -86,19 +90,34 @@ static void kv_store(const sq_model *m, const sq_layer *L, int64_t g, int64_t po
 static void qk_rope_head(const sq_model *m, const sq_layer *L, float *q, int64_t pos, int64_t h) {
     const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim;
     float *hv = q + h * D; /* q heads then k heads are contiguous */
-    if (L->q_norm) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
+    if (L->q_norm && !m->qk_norm_full) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
     rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
     if (h >= H) kv_store(m, L, h - H, pos, hv, q + (H + KV + h - H) * D);
 }
 
+/* q and k of one token normed over all their heads (qk_norm_full, OLMo2), before the per-head RoPE */
+static void qk_norm_wide(const sq_model *m, const sq_layer *L, float *q) {
+    if (!m->qk_norm_full || !L->q_norm) return;
+    const int64_t H = m->heads, KV = m->kv_heads, D = m->head_dim;
+    rms_norm(q, L->q_norm, H * D, m->eps, (int)m->norm_offset, q);
+    rms_norm(q + H * D, L->k_norm, KV * D, m->eps, (int)m->norm_offset, q + H * D);
+}
+
 /* every head of one token (the prefill; the decode step spreads the heads over its threads) */
 static void qk_rope_cache(const sq_model *m, const sq_layer *L, float *q, int64_t pos) {
+    qk_norm_wide(m, L, q);
     for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, q, pos, h);
 }
 
-/* x += h (one token's residual stream), h normed first where the layer has a post-norm (gemma) */
+/* x += h (one token's residual stream), h normed first where the layer has a post-norm (gemma),
+ * times res_mult where the model has one (Granite) */
 static void add_residual(const sq_model *m, const uint16_t *post_norm, float *h, float *x) {
     if (post_norm) rms_norm(h, post_norm, m->hidden, m->eps, (int)m->norm_offset, h);
+    if (m->res_mult != 0.0 && m->res_mult != 1.0) {
+        const float r = (float)m->res_mult;
+        for (int64_t i = 0; i < m->hidden; i++) x[i] += h[i] * r;
+        return;
+    }
     for (int64_t i = 0; i < m->hidden; i++) x[i] += h[i];
 }
 

@@ -5,7 +5,7 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 11
+#define SQ_ABI 12
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
@@ -25,7 +25,8 @@ enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
     F(int64_t, n) F(int64_t, k) F(int64_t, g) F(const uint8_t *, res) F(const uint16_t *, rsc)          \
     F(const int8_t *, lut) F(const int32_t *, rmap)
 
-/* one decoder layer: its linears, norms (bf16 [D] or NULL), RoPE tables (bf16 [rope_len, rot]),
+/* one decoder layer: its linears, norms (bf16 [D] or NULL: attn_norm / mlp_norm NULL is no norm
+ * before attention / the MLP, OLMo2), RoPE tables (bf16 [rope_len, rot]; rot 0: no RoPE, SmolLM3),
  * its KV cache [kv_heads, cap, head_dim] (bf16, or int8 codes with kscale / vscale: one bf16 scale
  * per (KV head, position) [kv_heads, cap], x = code * scale; NULL for a bf16 cache), rotary dims,
  * sliding window (0 = full). */
@@ -38,11 +39,14 @@ enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
 
 /* the model: shape, act (0 SiLU, 1 GELU-tanh), norm_offset (1: (1 + w) norms), refine_top (top
  * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),
- * embed_mult (0 = off), the layers, head, embedding (the head's linear when tied), final norm. */
+ * qk_norm_full (1: q_norm / k_norm span all heads' q [H*D] and k [KV*D], OLMo2; 0: per head),
+ * embed_mult (0 = off), res_mult (the branch outputs' factor before the residual add, Granite;
+ * 0 = 1), the layers, head, embedding (the head's linear when tied), final norm. */
 #define SQ_MODEL_FIELDS(F)                                                                        \
     F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
     F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
-    F(int64_t, refine_top) F(int64_t, kv_int8) F(double, eps) F(double, attn_scale) F(double, embed_mult)             \
+    F(int64_t, refine_top) F(int64_t, kv_int8) F(int64_t, qk_norm_full) F(double, eps) F(double, attn_scale)          \
+    F(double, embed_mult) F(double, res_mult)                                                                       \
     F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)
 
 #define SQ_FIELD_DECL(type, name) type name;

@@ -25,6 +25,10 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
                 prep(&L->qkv, w->xn, &w->a);
             }
             products(&L->qkv, &w->a, w->qkv);
+            if (m->qk_norm_full) {
+#pragma omp single
+                qk_norm_wide(m, L, w->qkv);
+            }
 #pragma omp for schedule(static)
             for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
             attention(m, L, w->qkv, pos, w->scores, w->part, w->att);
