@@ -102,8 +102,21 @@ OPT_KV_BUDGET = typer.Option(192, "--kv-budget-mib")
 OPT_KV_DTYPE = typer.Option(None, "--kv-dtype", help="KV cache: int8 (the default: int8 K/V rows with a bf16 scale per "
                             "position and KV head, ~0.52x bf16's bytes, so ~1.9x the positions per budget) or bf16")
 OPT_THREADS = typer.Option(None, "--threads")
+OPT_TOP_K = typer.Option(0, "--top-k", help="sample among the k most probable tokens (0: off)")
+OPT_MIN_P = typer.Option(0.0, "--min-p", help="drop tokens under min_p x the most probable one's probability")
+OPT_REP = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages tokens of the prompt and the answer so far")
+OPT_PRESENCE = typer.Option(0.0, "--presence-penalty", help="subtracted from the logit of every token generated so far")
+OPT_FREQUENCY = typer.Option(0.0, "--frequency-penalty", help="subtracted per occurrence of a generated token")
 OPT_THINK = typer.Option(None, "--think/--no-think", help="with a chat template: its thinking switch "
                          "(enable_thinking; SmolLM3, Qwen3); default: the template's")
+
+
+def sampling_params(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed):
+    """The sampler's parameters (runtime/sampling.py), one line per bad value"""
+    from sparkq.runtime.sampling import SamplingParams
+
+    return _run(SamplingParams(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
+                               repetition_penalty, seed=seed).check)
 
 
 def set_thinking(m, think: bool | None) -> None:

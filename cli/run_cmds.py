@@ -8,8 +8,9 @@ from typing import Optional
 import typer
 
 from . import render as R
-from .common import (OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_LEN, OPT_SEED, OPT_TEMPERATURE, OPT_THINK, OPT_THREADS,
-                     OPT_TOP_P, app, set_thinking)
+from .common import (OPT_FREQUENCY, OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_LEN, OPT_MIN_P, OPT_PRESENCE, OPT_REP,
+                     OPT_SEED, OPT_TEMPERATURE, OPT_THINK, OPT_THREADS, OPT_TOP_K, OPT_TOP_P, app, sampling_params,
+                     set_thinking)
 from .common import (_fail, _kv, _need_convert_extra, _plot, _prefill_mode, _rss_mib, _run, _runtime, _save,  # noqa: F401
                      _threads, artifact_layout, open_model)
 
@@ -22,6 +23,11 @@ def generate(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     temperature: float = OPT_TEMPERATURE,
     top_p: float = OPT_TOP_P,
+    top_k: int = OPT_TOP_K,
+    min_p: float = OPT_MIN_P,
+    repetition_penalty: float = OPT_REP,
+    presence_penalty: float = OPT_PRESENCE,
+    frequency_penalty: float = OPT_FREQUENCY,
     seed: Optional[int] = OPT_SEED,
     max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
     kv_budget_mib: float = OPT_KV_BUDGET,
@@ -44,7 +50,8 @@ def generate(
     hub = m.info.extra.get("hub")
     if hub and not as_json:
         typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling_params(
+        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed))
     if as_json:
         r = _run(m.generate, prompt, chat=chat, **kw)
         r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout, hub=hub,
@@ -68,6 +75,11 @@ def chat(
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="per answer (and at most what the cache has left)"),
     temperature: float = OPT_TEMPERATURE,
     top_p: float = OPT_TOP_P,
+    top_k: int = OPT_TOP_K,
+    min_p: float = OPT_MIN_P,
+    repetition_penalty: float = OPT_REP,
+    presence_penalty: float = OPT_PRESENCE,
+    frequency_penalty: float = OPT_FREQUENCY,
     seed: Optional[int] = OPT_SEED,
     max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
     kv_budget_mib: float = OPT_KV_BUDGET,
@@ -88,7 +100,8 @@ def chat(
     m = open_model(model, "lite" if lite else "torch" if use_torch else "auto", "auto",
               max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, **_kv(kv_dtype))
     set_thinking(m, think)
-    session = _run(ChatSession, m, system, temperature=temperature, top_p=top_p, seed=seed)
+    session = _run(ChatSession, m, system, sampling=sampling_params(
+        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed))
     import signal
     # Ctrl-C stops an answer even where SIGINT came in ignored (a shell's background job): Python
     # then installs no KeyboardInterrupt handler of its own
@@ -145,11 +158,13 @@ def serve(
     model_name: Optional[str] = typer.Option(None, "--model-name", help="the id clients send as 'model' "
                                              "(default: the directory's name or the repo id)"),
     max_queue: int = typer.Option(64, "--max-queue", help="requests that may wait for a slot; more get HTTP 429"),
+    cors_origin: list[str] = typer.Option([], "--cors-origin", help="let a web app on this origin call the API "
+                                          "(e.g. http://localhost:3000; repeatable, * for any)"),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache",
                                       help="a request whose prompt begins like the one a free slot last held "
                                       "prefills only the rest (the same answer bits either way)"),
 ):
-    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) that
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a chat page at /) that
     decodes concurrent requests together, one pass over the weights per step."""
     if parallel < 1 or parallel > 64:
         _fail(f"--parallel must be in 1..64, got {parallel}")
@@ -166,4 +181,5 @@ def serve(
 
     _run(run_server, model, host=host, port=port, parallel=parallel, api_key=api_key, kv_budget_mib=kv_budget_mib,
          max_model_len=max_model_len, threads=threads, model_name=model_name, max_queue=max_queue,
-         prefix_cache=prefix_cache, echo=lambda s: typer.echo(s, err=True), **_kv(kv_dtype))
+         prefix_cache=prefix_cache, echo=lambda s: typer.echo(s, err=True), cors_origins=tuple(cors_origin),
+         **_kv(kv_dtype))

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .errors import RuntimeUserError
+from .sampling import Sampler, SamplingParams, choose
 
 
 @dataclass
@@ -38,23 +39,8 @@ class GenStats:
 
 
 def sample(logits, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """A token from fp32 logits [vocab] (numpy): greedy at temperature 0, else softmax(logits / T)
-    restricted to the smallest top-p set, drawn with ``rng``. Both runtimes sample here, so a
-    seed gives the same tokens in either."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        sp = p[order]
-        keep = np.cumsum(sp) - sp < top_p
-        keep[0] = True
-        q = np.zeros_like(p)
-        q[order[keep]] = sp[keep]
-        p = q / q.sum()
-    return int(rng.choice(p.size, p=p))
+    """A token from fp32 logits [vocab] with temperature and top-p only (sampling.py has the rest)."""
+    return choose(logits, SamplingParams(temperature, top_p), rng)
 
 
 def check_request(ids, max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -94,25 +80,28 @@ class Generator:
         return self.tokenizer.encode(prompt)
 
     def stream_ids(self, ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                   seed: int | None = None, stop_ids=None, cached: int = 0):
+                   seed: int | None = None, stop_ids=None, cached: int = 0, sampling: SamplingParams | None = None):
         """Yields generated token ids; raises before any compute if it cannot fit. ``cached``:
         how many leading ids are already in the KV cache (< len(ids)); each yielded token but the
-        last is fed back (its K/V cached at the next position)."""
-        check_request(ids, max_new_tokens, temperature, top_p)
+        last is fed back (its K/V cached at the next position). ``sampling``: every sampling
+        control (sampling.py); else temperature, top_p and seed alone."""
+        sampling = sampling or SamplingParams(temperature, top_p, seed=seed)
+        check_request(ids, max_new_tokens, sampling.temperature, sampling.top_p)
+        sampling.check(getattr(self.tokenizer, "vocab_size", None))
         self.check_fits(len(ids) + max_new_tokens)
         stop = (self.tokenizer.stop_ids if self.tokenizer else set()) if stop_ids is None else set(stop_ids)
-        rng = np.random.default_rng(seed)
+        sample_next = Sampler(sampling, ids)
         st = self.last_stats = GenStats(prompt_tokens=len(ids) - cached)
         t0 = time.perf_counter()
         first = self.prefill_from(ids, cached) if cached else self.first_logits(ids)
-        tok = sample(first, temperature, top_p, rng)
+        tok = sample_next(first)
         st.prefill_s = st.ttft_s = time.perf_counter() - t0
         st.new_tokens = 1
         yield tok
         pos = len(ids)
         t1 = time.perf_counter()
         while st.new_tokens < max_new_tokens and tok not in stop:
-            tok = sample(self.next_logits(tok, pos), temperature, top_p, rng)
+            tok = sample_next(self.next_logits(tok, pos))
             pos += 1
             st.new_tokens += 1
             st.decode_s = time.perf_counter() - t1

@@ -75,7 +75,9 @@ class ChatTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The chat template over messages; ``template_kwargs`` (a request's chat_template_kwargs) on
+        top of the tokenizer's own switches."""
         if not self.chat_template:
             raise RuntimeUserError("this model has no chat template; run without --chat")
         import jinja2
@@ -98,15 +100,16 @@ class ChatTokenizer:
             # the variables transformers' apply_chat_template provides (tools and documents unset)
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **self.template_kwargs)
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                **{k: v for k, v in {**self.template_kwargs, **template_kwargs}.items() if k != "messages"})
         except jinja2.UndefinedError as e:
             raise RuntimeUserError(f"chat template uses a variable sparkq does not provide ({e}); "
                                    "fix the template or run without --chat") from None
         except jinja2.TemplateError as e:
             raise RuntimeUserError(f"chat template failed to render ({e.__class__.__name__}: {e}); run without --chat") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.render_chat(messages)
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        text = self.render_chat(messages, **template_kwargs)
         ids = self.tok.encode(text, add_special_tokens=False).ids
         if self.bos_token and text.startswith(self.bos_token):
             return ids

@@ -24,6 +24,21 @@ def _templates(model):
     for i, t in enumerate(TEXTS):
         out.append(("/v1/completions", {"model": model, "prompt": t, "max_tokens": 10 + 4 * i, "temperature": 0,
                                         "stream": i % 2 == 1}))
+    # seeded sampling with every control, a JSON schema and a forced tool call: the same bits under load
+    out.append(("/v1/completions", {"model": model, "prompt": TEXTS[0], "max_tokens": 16, "temperature": 0.7, "seed": 5,
+                                    "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+                                    "top_k": 40, "min_p": 0.05, "stream": False}))
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24},
+                                               "sure": {"type": "boolean"}}, "required": ["answer", "sure"]}
+    out.append(("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": QUESTIONS[0]}],
+                                         "max_tokens": 40, "temperature": 0.8, "seed": 7, "stream": True,
+                                         "response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "a", "schema": schema}}}))
+    tool = {"type": "function", "function": {"name": "capital", "parameters": {
+        "type": "object", "properties": {"country": {"type": "string", "maxLength": 20}}, "required": ["country"]}}}
+    out.append(("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": QUESTIONS[0]}],
+                                         "max_tokens": 40, "temperature": 0.8, "seed": 3, "stream": False,
+                                         "tools": [tool], "tool_choice": "required"}))
     return out
 
 
@@ -39,6 +54,8 @@ def _malformed(model, rng):
 def _text(r):
     if "json" in r:
         c = r["json"]["choices"][0]
+        if c.get("message", {}).get("tool_calls"):  # (their ids are new per response)
+            return json.dumps([t["function"] for t in c["message"]["tool_calls"]])
         return c["message"]["content"] if "message" in c else c["text"]
     return r["text"]
 

@@ -186,7 +186,9 @@ print(json.dumps(s))
     growth = (s["peak_rss_anon_mib"] - s["start_rss_anon_mib"]) * 2**20  # data, not library code pages
     print("rss growth MiB", growth / 2**20, "total MiB", total / 2**20, "largest MiB", largest / 2**20)
     assert growth < total / 5, (growth, total)
-    assert growth < 2 * largest + 8 * 2**20, (growth, largest)  # measured 26-33 MiB (key scaling on or off)
+    # measured 27-38 MiB (Intel Xeon, 3 runs each of this and the previous commit's converter), 42.7
+    # with a second test run beside it on the 2 cores: one tensor's worth of headroom above 2x
+    assert growth < 3 * largest, (growth, largest)
 
 
 def test_transformers_refuses_artifact(tiny_tied_art):

@@ -15,7 +15,7 @@ import ctypes
 import pytest
 import torch
 
-from helpers import kernel_builds, make_llama, run_cli, run_py
+from helpers import kernel_builds, make_llama, run_cli
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats.layout import ROWS32, dequantize_codes, pack_rows
 

@@ -344,8 +344,24 @@ def _raw(url, method, path, body=None, headers=None):
      "only text parts"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n > 1"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}).encode(),
-     400, "tool calling"),
-    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}).encode(), 400, "logprobs"),
+     400, "tools[0] must be"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}).encode(),
+     400, "no 'tools'"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}).encode(),
+     400, "deprecated"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}).encode(), 400,
+     "logprobs"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}).encode(), 400,
+     "needs 'logprobs'"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 5}}).encode(),
+     400, "outside the vocabulary"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"7": 500}}).encode(),
+     400, "[-100, 100]"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_k": -1}).encode(), 400, "top_k"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}).encode(), 400,
+     "presence_penalty"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": 3}).encode(),
+     400, "chat_template_kwargs"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "mirostat": 2}).encode(), 400,
      "unsupported field 'mirostat'"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 5}).encode(), 400,
@@ -533,3 +549,128 @@ def _health(url):
         return ok
     except OSError:
         return False
+
+
+def test_sampling_controls_logprobs_and_reasoning_through_the_openai_client(api, serve_art):
+    """top_k / min_p / penalties / logit_bias reach the one sampler (runtime/sampling.py); logprobs
+    are the log-softmax of the logits the step sampled from; <think> goes to reasoning_content."""
+    from sparkq.runtime.sampling import logprobs as log_softmax
+
+    url, e = api
+    c = _client(url)
+    msgs = [{"role": "user", "content": "hello there"}]
+    ids = e.tok.encode_chat(msgs)
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    got = r.choices[0].logprobs.content
+    new = e.generate(ids, 8)["ids"]
+    assert len(got) == len(new)
+    single = _lite(serve_art, 1)
+    row = single.prefill(ids)
+    for j, t in enumerate(new):  # the step's own fp32 logits, as the batched step gives them (batch invariance)
+        lp = log_softmax(row)
+        assert got[j].token == e.tok.decode([t]) and abs(got[j].logprob - lp[t]) < 1e-3, j
+        tops = [x.logprob for x in got[j].top_logprobs]
+        assert tops == sorted(tops, reverse=True) and len(tops) == 3
+        assert got[j].token in [x.token for x in got[j].top_logprobs]  # greedy: the sampled token is the top one
+        row = single.step(t, len(ids) + j)
+    # completions' logprobs (an integer: that many alternatives)
+    rc = c.completions.create(model="tiny", prompt="the quick", max_tokens=4, temperature=0, logprobs=2)
+    assert len(rc.choices[0].logprobs.token_logprobs) == len(rc.choices[0].logprobs.tokens) == rc.usage.completion_tokens
+    # logit_bias forces a token; penalties and top_k / min_p are accepted and seeded sampling stays reproducible
+    forced = e.tok.encode("Z")[0]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0, logit_bias={str(forced): 100})
+    assert r.choices[0].message.content.startswith("Z")
+    kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=0.9, seed=5, presence_penalty=1.5,
+              frequency_penalty=0.5, extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3})
+    a, b = (c.chat.completions.create(**kw).choices[0].message.content for _ in range(2))
+    plain = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0.9, seed=5)
+    assert a == b and a != plain.choices[0].message.content
+    # reasoning: a template that opens <think> (a chat_template_kwargs switch): the reply is reasoning
+    # until </think>; the random model never closes it, so everything is reasoning_content
+    template = e.tok.chat_template
+    try:
+        e.tok.chat_template = template + "{% if think %}<think>\n{% endif %}"
+        ref = e.generate(e.tok.encode_chat(msgs, think=True), 6)
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"think": True}})
+        m = r.choices[0].message
+        assert m.content == "" and m.model_extra["reasoning_content"] == ref["text"] and ref["text"]
+        chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                                extra_body={"chat_template_kwargs": {"think": True}}))
+        streamed = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks
+                           if ch.choices)
+        assert streamed == m.model_extra["reasoning_content"]
+        assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        plain = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+        assert plain.choices[0].message.content == e.generate(ids, 6)["text"]  # no <think>: all content
+    finally:
+        e.tok.chat_template = template
+
+
+def test_metrics_cors_and_the_chat_page(api):
+    """GET /metrics parses with prometheus-client's parser and moves with requests; --cors-origin
+    answers a browser's preflight; GET / is the chat page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparkq.runtime.serve.server import App
+
+    url, e = api
+
+    def metrics(u):
+        import urllib.request
+        text = urllib.request.urlopen(u + "/metrics", timeout=30).read().decode()
+        return {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}
+
+    before = metrics(url)
+    c = _client(url)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    after = metrics(url)
+    key = "sparkq_requests_total[('endpoint', 'chat'), ('status', '200')]"
+    assert after[key] == before.get(key, 0) + 1
+    assert after["sparkq_completion_tokens_total[]"] == before.get("sparkq_completion_tokens_total[]", 0) + \
+        r.usage.completion_tokens
+    assert after["sparkq_time_to_first_token_seconds_count[]"] >= 1 and "sparkq_slots_in_use[]" in after
+    assert after["sparkq_slots[]"] == e.parallel
+    import urllib.request
+    page = urllib.request.urlopen(url + "/", timeout=30)
+    assert page.status == 200 and "/v1/chat/completions" in page.read().decode()
+    with _server(App(e, "tiny", cors_origins=["http://app.example"])) as u2:
+        from urllib.parse import urlsplit
+        conn = http.client.HTTPConnection(urlsplit(u2).hostname, urlsplit(u2).port, timeout=30)
+        conn.request("OPTIONS", "/v1/chat/completions", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and resp.getheader("access-control-allow-origin") == "http://app.example"
+        conn.close()
+    e.metrics = App(e, "tiny").metrics  # (the module's api app keeps counting on a fresh registry)
+
+
+
+@pytest.mark.parametrize("variant", ["int4-g64-split", "lut4-g32-int8head"])
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_a_grammars_allowed_tokens_get_the_heads_exact_logits(variants, variant, kernel_build):
+    """The batched step refines its top candidates exactly; sq_head_exact gives any head row the
+    same exact logit (bit for bit where the step refined it), from the row's final-normed state:
+    what a grammar's allowed tokens get when the top candidates are masked out."""
+    import numpy as np
+
+    batch = _lite(variants[variant], 2)
+    s, tok = batch.session, batch.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS[:2]]
+    offs = [i * batch.slot_elems for i in range(2)]
+    for p, o in zip(ids, offs):
+        s.prefill(p, 0, kvoff=o)
+    logits = s.step_many([7, 9], [len(p) for p in ids], offs)
+    for i in range(2):
+        x = s.batch_xn(i)
+        top = np.argsort(-logits[i], kind="stable")[:4]
+        assert np.array_equal(s.head_exact(x, top), logits[i][top]), i  # the step's own exact values
+        low = np.argsort(logits[i], kind="stable")[:64]
+        exact = s.head_exact(x, low)
+        if "split" in variant:  # a 320-row head: the step refined every row (REFINE_SPLIT 2048), all exact
+            assert np.array_equal(exact, logits[i][low])
+        else:  # an int8 head refines its top 8: the rest are the W4A8 screen's, not the exact values
+            assert not np.array_equal(exact, logits[i][low]) and np.allclose(exact, logits[i][low], atol=0.5)

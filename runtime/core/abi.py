@@ -59,6 +59,8 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_batch_free": (None, [_P]),
     "sq_step_many": (ctypes.c_int, [_PTR(SqModel), _P, _P, _I, _P, _P, _P, _P]),
     "sq_head_many": (ctypes.c_int, [_PTR(SqModel), _P, _I, _P, _P]),
+    "sq_batch_xn": (ctypes.c_int, [_PTR(SqModel), _P, _I, _P]),
+    "sq_head_exact": (ctypes.c_int, [_PTR(SqModel), _P, _P, _I, _P]),
     "sq_linear_f32": (ctypes.c_int, [_PTR(SqLinear), _P, _P]),
     "sq_linear_batch": (ctypes.c_int, [_PTR(SqLinear), _P, _I, _I, _P, _P]),
     "sq_dequant_rows": (ctypes.c_int, [_PTR(SqLinear), _I, _I, _P]),

@@ -228,6 +228,23 @@ class Session:
             raise MemoryError("sq_head_many could not allocate its activation buffers")
         return self._softcap(out)
 
+    def batch_xn(self, t: int) -> np.ndarray:
+        """The final-normed hidden state of row t of the last step_many"""
+        out = np.empty(self.spec.hidden, np.float32)
+        if self.batch is None or self.lib.sq_batch_xn(ctypes.byref(self.m), self.batch, int(t), out.ctypes.data):
+            raise ValueError(f"batch_xn: no row {t} in the last step_many")
+        return out
+
+    def head_exact(self, x, ids) -> np.ndarray:
+        """Exact logits (the bits the step gives the rows it refines, then the divisor and softcap)
+        of the head rows ``ids`` for a final-normed state x [hidden]."""
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+        out = np.empty(ids.size, np.float32)
+        if self.lib.sq_head_exact(ctypes.byref(self.m), x.ctypes.data, ids.ctypes.data, ids.size, out.ctypes.data):
+            raise MemoryError("sq_head_exact: out of memory")
+        return self._softcap(out)
+
     def prompt(self, ids, pos0: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Logits of the last of ``ids`` (at pos0..), every token's K/V cached."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)

@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import RuntimeUserError
-from ..generate import sample
+from ..sampling import Sampler, SamplingParams, logprobs
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
 # 64-token slice is ~0.5 s, the longest a running stream waits for a newcomer's prompt
 PREFILL_SLICE = 64
+REFINE_EXACT = 64  # a grammar's best allowed tokens whose logits are recomputed exactly (_refined)
 
 
 class QueueFull(Exception):
@@ -57,6 +58,11 @@ class Request:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # run to max_tokens through stop tokens (benchmarks)
+    sampling: SamplingParams | None = None  # every sampling control (else temperature, top_p, seed)
+    logprobs: int | None = None  # emit each token's log-probability and this many alternatives
+    split: object = None  # the server's reasoning splitter (chat replies)
+    constraint: object = None  # a grammar's per-sequence matcher (structured.py): the allowed tokens
+    tool: object = None  # the server's tool-call parsing of this reply (tools.py)
     # engine state
     cancelled: bool = False
     done: bool = False
@@ -64,8 +70,9 @@ class Request:
     filled: int = 0  # prompt tokens in the cache
     new: list[int] = field(default_factory=list)
     sent: int = 0  # characters of the decoded text already emitted
-    rng: object = None
+    sampler: object = None
     t_submit: float = 0.0
+    t_last: float = 0.0
     t_first: float = 0.0
     cached: int = 0  # prompt tokens whose K/V the slot already held (the prefix cache)
 
@@ -95,6 +102,7 @@ class Engine:
         self.cv = threading.Condition()
         self.closed = False
         self.error: BaseException | None = None
+        self.metrics = None  # the server's hooks (metrics.py): token(r), finished(r)
         self.stats = {"steps": 0, "max_batch": 0, "decoded": 0, "prefilled": 0, "cached": 0, "completed": 0,
                       "cancelled": 0}
         self.thread = threading.Thread(target=self._loop, name="sparkq-engine", daemon=True)
@@ -121,7 +129,7 @@ class Engine:
 
     def submit(self, req: Request) -> Request:
         req.max_tokens = self.check(len(req.ids), req.max_tokens)
-        req.rng = np.random.default_rng(req.seed)
+        req.sampler = Sampler(req.sampling or SamplingParams(req.temperature, req.top_p, seed=req.seed), req.ids)
         req.t_submit = time.perf_counter()
         with self.cv:
             if self.closed:
@@ -166,6 +174,8 @@ class Engine:
             self.stats["cancelled"] += 1
             return
         self.stats["completed"] += 1
+        if self.metrics is not None:
+            self.metrics.finished(r)
         r.emit({"finish": reason, "prompt_tokens": len(r.ids), "completion_tokens": len(r.new), "cached_tokens": r.cached})
 
     def _admit(self) -> None:
@@ -225,11 +235,53 @@ class Engine:
         r.sent = max(r.sent, end)
         return piece
 
+    def _sample(self, r: Request, logits: np.ndarray, xn=None) -> None:
+        """(engine thread, under the lock) r's next token from its logits row (xn: a function giving
+        the row's final-normed hidden state, for a grammar's exact logits)"""
+        if r.constraint is not None:  # the grammar's allowed tokens only (the rest -inf before sampling)
+            mask = r.constraint.mask()
+            token = r.sampler(self._refined(logits, mask, xn), mask)
+            r.constraint.consume(token)
+        else:
+            token = r.sampler(logits)
+        if r.logprobs is not None:  # the model's log-probabilities (the raw logits'), as OpenAI reports them
+            lp = logprobs(logits)
+            top = np.argsort(-lp, kind="stable")[:r.logprobs] if r.logprobs else []
+            r.emit({"logprob": {"id": token, "logprob": float(lp[token]),
+                                "top": [(int(t), float(lp[t])) for t in top]}})
+        self._accept(r, token)
+        if r.constraint is not None and r.constraint.done and not r.done:  # (even with ignore_eos)
+            self._accept_end(r)
+
+    def _refined(self, logits: np.ndarray, mask: np.ndarray, xn) -> np.ndarray:
+        """The head refines its top candidates exactly (both planes of a split head); where a grammar
+        masks out the best of them, the REFINE_EXACT best allowed tokens are recomputed exactly here
+        (the same bits for those the head already refined)."""
+        if xn is None or mask[int(np.argmax(logits))]:  # the head's own best token is allowed: its exact
+            return logits  # top candidates are among the allowed, the rest approximate as unconstrained
+        allowed = np.flatnonzero(mask)
+        if not allowed.size:
+            return logits
+        k = min(REFINE_EXACT, allowed.size)
+        cand = allowed[np.argpartition(-logits[allowed], k - 1)[:k]] if allowed.size > k else allowed
+        out = logits.copy()
+        out[cand] = self.session.head_exact(xn(), cand)
+        return out
+
+    def _accept_end(self, r: Request) -> None:
+        """a constrained reply whose grammar is complete: its held-back text out, then the end"""
+        piece = self._text(r, last=True)
+        if piece:
+            r.emit({"delta": piece})
+        self._finish(r, "stop")
+
     def _accept(self, r: Request, token: int) -> None:
         """(engine thread, under the lock) a sampled token of r: emit its text, finish r if done"""
         r.new.append(token)
         if not r.t_first:
             r.t_first = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.token(r)
         stop_tok = token in self.stop_ids and not r.ignore_eos
         at_end = len(r.new) >= r.max_tokens or len(r.ids) + len(r.new) >= self.slot_cap
         piece = self._text(r, last=stop_tok or at_end)
@@ -277,7 +329,7 @@ class Engine:
                         self.kept[pre.slot] = (pre.ids, b)
                     self.stats["prefilled"] += b - a
                     if logits is not None and not pre.cancelled:
-                        self._accept(pre, sample(logits[0], pre.temperature, pre.top_p, pre.rng))
+                        self._sample(pre, logits[0], lambda xn=xn: xn[-1])
             if dec:
                 toks = [r.new[-1] for r in dec]
                 pos = [len(r.ids) + len(r.new) - 1 for r in dec]
@@ -287,9 +339,9 @@ class Engine:
                     self.stats["steps"] += 1
                     self.stats["decoded"] += len(dec)
                     self.stats["max_batch"] = max(self.stats["max_batch"], len(dec))
-                    for r, row in zip(dec, logits):
+                    for i, (r, row) in enumerate(zip(dec, logits)):
                         if not r.cancelled and not r.done:
-                            self._accept(r, sample(row, r.temperature, r.top_p, r.rng))
+                            self._sample(r, row, lambda i=i: s.batch_xn(i))
 
     # -- a blocking helper (tests, scripts) --
 
@@ -301,6 +353,8 @@ class Engine:
         def emit(ev):
             if "delta" in ev:
                 out["text"] += ev["delta"]
+            elif "logprob" in ev:
+                out.setdefault("logprobs", []).append(ev["logprob"])
             else:
                 out.update(ev)
                 done.set()

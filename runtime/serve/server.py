@@ -6,8 +6,11 @@ here by hand so every refusal names its field). The model runs on the torch-free
 engine (engine.py) runs on its own thread, and each request's events cross to the event loop
 through an asyncio queue.
 
-Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions;
-streaming as server-sent events ending in ``data: [DONE]``. Errors use OpenAI's shape
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET
+/metrics (metrics.py), GET / (the chat page, static/index.html); streaming as server-sent events
+ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control (sampling.py),
+``response_format`` json_object / json_schema and ``tools`` (structured.py, tools.py), logprobs and
+``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. Errors use OpenAI's shape
 {"error": {"message", "type", "param", "code"}}: 400 malformed or unsupported, 401 bad key,
 404 unknown model or route, 413 body too large, 429 queue full, 503 engine failed. A client that
 disconnects frees its slot before the next decode step.
@@ -23,34 +26,72 @@ import uuid
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..common import DEFAULT_KV_DTYPE, check_kv_dtype
 from ..errors import RuntimeUserError
+from ..sampling import SamplingParams
 from .engine import Engine, QueueFull
 from .engine import Request as GenRequest
-
+from . import tools as tools_mod
+from .reasoning import ReasoningSplitter, opened_in_prompt
+from .responses import Collected, EventStream, Responses
+from .structured import response_format_schema
 from .protocol import CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, unsupported
 
 
-class App:
-    def __init__(self, engine: Engine, model_name: str, api_key: str | None = None):
+def _generic(msgs: list[dict], tools, fmt) -> list[dict]:
+    """Messages for a template without tools: the tools in a system message (tools.generic_prompt),
+    earlier calls as the format's text, results as user turns in <tool_response>"""
+    out = []
+    for m in msgs:
+        if m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + fmt.render(calls)})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        prompt = tools_mod.generic_prompt(tools, fmt)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+class App(Responses):
+    def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, cors_origins=()):
         self.engine, self.name, self.api_key = engine, model_name, api_key
+        from .metrics import Metrics
+        self.metrics = engine.metrics = Metrics(engine)
+        self._grammars = None
         self.created = int(time.time())
         gen = getattr(engine.tok, "generation_config", None) or {}
         # requests that leave sampling unset get generation_config.json's choice (greedy without do_sample)
+        # and its top_k / repetition_penalty (Qwen3's top_k 20), which OpenAI's clients never send
         if gen.get("do_sample"):
             self.defaults = {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0))}
         elif gen:
             self.defaults = {"temperature": 0.0, "top_p": 1.0}
         else:
             self.defaults = {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults
+        self.defaults.update(top_k=int(gen.get("top_k") or 0) if gen.get("do_sample") else 0,
+                             repetition_penalty=float(gen.get("repetition_penalty") or 1.0))
         routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"])]
-        self.asgi = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
-                                                                 Exception: self._crash})
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/metrics", self.metrics_page, methods=["GET"]), Route("/", self.page, methods=["GET"])]
+        middleware = []
+        if cors_origins:  # a web app on another origin may call the API (--cors-origin)
+            from starlette.middleware import Middleware
+            from starlette.middleware.cors import CORSMiddleware
+            middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                         allow_headers=["authorization", "content-type"]))
+        self.asgi = Starlette(routes=routes, middleware=middleware,
+                              exception_handlers={HTTPException: self._http_error, Exception: self._crash})
 
     async def _http_error(self, request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -67,6 +108,21 @@ class App:
         if not hmac.compare_digest(key.encode(), self.api_key.encode()):
             return error(401, "invalid or missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
         return None
+
+    def grammars(self):
+        """the grammar compiler over the model's tokenizer (built on the first structured request)"""
+        if self._grammars is None:
+            from .structured import Grammars
+            self._grammars = Grammars(self.engine.tok, self.engine.session.vocab)
+        return self._grammars
+
+    async def metrics_page(self, request: Request):
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def page(self, request: Request):
+        """The chat page (static/index.html, shipped in the wheel): it streams from /v1/chat/completions."""
+        from importlib.resources import files
+        return HTMLResponse((files("sparkq.runtime.serve") / "static" / "index.html").read_text())
 
     async def health(self, request: Request):
         if self.engine.error is not None:
@@ -125,8 +181,32 @@ class App:
         for f in ("stream", "ignore_eos"):
             if body.get(f) not in (None, True, False):
                 raise BadRequest(f"'{f}' must be a boolean", f)
-        return {"max_tokens": mt, "temperature": float(number(body, "temperature", 0.0, 2.0, self.defaults["temperature"])),
-                "top_p": float(top_p), "seed": seed, "stop": stop, "ignore_eos": bool(body.get("ignore_eos"))}
+        bias = body.get("logit_bias") or {}
+        if not isinstance(bias, dict):
+            raise BadRequest("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+        try:
+            bias = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise BadRequest("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias") from None
+        try:
+            sampling = SamplingParams(
+                float(number(body, "temperature", 0.0, 2.0, self.defaults["temperature"])), float(top_p),
+                int(number(body, "top_k", 0, 1 << 20, self.defaults["top_k"], integer=True)),
+                float(number(body, "min_p", 0.0, 1.0, 0.0)), float(number(body, "presence_penalty", -2.0, 2.0, 0.0)),
+                float(number(body, "frequency_penalty", -2.0, 2.0, 0.0)),
+                float(number(body, "repetition_penalty", 0.01, 10.0, self.defaults["repetition_penalty"])), bias,
+                seed).check(self.engine.session.vocab)
+        except RuntimeUserError as e:
+            raise BadRequest(str(e), "logit_bias" if "logit_bias" in str(e) else None) from None
+        lp = body.get("logprobs")
+        if lp not in (None, True, False) and not (not isinstance(lp, bool) and isinstance(lp, int) and 0 <= lp <= 20):
+            raise BadRequest("'logprobs' must be a boolean (chat) or an integer in 0..20 (completions)", "logprobs")
+        top = number(body, "top_logprobs", 0, 20, None, integer=True)
+        if top is not None and lp is not True:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if lp is True else (lp if isinstance(lp, int) and not isinstance(lp, bool) else None)
+        return {"max_tokens": mt, "sampling": sampling, "stop": stop, "ignore_eos": bool(body.get("ignore_eos")),
+                "logprobs": logprobs}
 
     async def chat(self, request: Request):
         return await self._handle(request, chat=True)
@@ -134,33 +214,60 @@ class App:
     async def completions(self, request: Request):
         return await self._handle(request, chat=False)
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    def _prompt_ids(self, body: dict, chat: bool) -> tuple[list[int], tuple | None]:
+        """The prompt's token ids, and for a chat reply that may call tools (format, native, tools)."""
         tok = self.engine.tok
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise BadRequest("'messages' must be a non-empty list", "messages")
-            return tok.encode_chat([message_text(m, i) for i, m in enumerate(msgs)])
+            msgs = [message_text(m, i) for i, m in enumerate(msgs)]
+            kwargs = dict(body.get("chat_template_kwargs") or {})
+            fmt, native = tools_mod.detect(tok.chat_template)
+            tools = body.get("tools") if body.get("tool_choice") != "none" else None
+            if body.get("tools") is not None:
+                tools_mod.check_tools(body["tools"])
+            if native:  # the template renders tools, calls and results itself
+                if tools:
+                    kwargs["tools"] = tools
+            elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):  # the generic prompt
+                msgs = _generic(msgs, tools, fmt)
+            return tok.encode_chat(msgs, **kwargs), ((fmt, native, tools) if tools else None)
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, str):
-            return tok.encode(p)
+            return tok.encode(p), None
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             vocab = self.engine.session.embed_rows
             if min(p) < 0 or max(p) >= vocab:
                 raise BadRequest(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-            return list(p)
+            return list(p), None
         raise BadRequest("'prompt' must be a string, a list of token ids, or a list of one of them "
                          "(one prompt per request)", "prompt")
 
     async def _handle(self, request: Request, chat: bool):
+        resp = await self._respond(request, chat)
+        self.metrics.requests.labels("chat" if chat else "completions", str(getattr(resp, "status_code", 200))).inc()
+        return resp
+
+    async def _respond(self, request: Request, chat: bool):
         if (bad := self._auth(request)) is not None:
             return bad
         try:
             body = await self._body(request, CHAT if chat else COMPLETION)
             kw = self._sampling(body, "max_completion_tokens" if chat else "max_tokens")
-            ids = self._prompt_ids(body, chat)
+            rf = response_format_schema(body.get("response_format"))
+            grammar = self.grammars().json_schema(*rf) if rf else None
+            ids, tool = self._prompt_ids(body, chat)  # tool: (format, native template, tools) or None
+            forced = tools_mod.chosen(tool[2], body.get("tool_choice")) if tool else None
+            if forced:  # "required" or a named function: a grammar of tool calls only
+                if grammar:
+                    raise BadRequest("'response_format' and a tool_choice that forces a call exclude each other",
+                                     "tool_choice")
+                grammar = self.grammars().lark(tool[0].forced(tools_mod.call_schema(forced),
+                                                               body.get("parallel_tool_calls", True) is not False),
+                                               "tools")
             kw["max_tokens"] = self.engine.check(len(ids), kw["max_tokens"])
         except BadRequest as e:
             return error(e.status, e.message, e.param, e.code, e.type)
@@ -170,8 +277,9 @@ class App:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         req = GenRequest(ids, kw["max_tokens"], lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev),
-                         temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"], stop=kw["stop"],
-                         ignore_eos=kw["ignore_eos"])
+                         stop=kw["stop"], ignore_eos=kw["ignore_eos"], sampling=kw["sampling"], logprobs=kw["logprobs"],
+                         constraint=grammar and self.grammars().constraint(grammar))
+        req.tool = tool and {"format": tool[0], "parallel": body.get("parallel_tool_calls", True) is not False}
         try:
             self.engine.submit(req)
         except QueueFull as e:
@@ -182,127 +290,19 @@ class App:
             return error(400, str(e), "messages" if chat else "prompt", "context_length_exceeded")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "created": int(time.time()), "model": self.name}
+        if tool and not tool[1]:
+            meta["system_fingerprint"] = tools_mod.GENERIC_FINGERPRINT  # the template knows no tools
+        # chat replies of reasoning models: <think>...</think> as reasoning_content (reasoning.py)
+        req.split = ReasoningSplitter(opened_in_prompt(self.engine.tok.decode(ids[-8:]))) if chat else None
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return EventStream(self._chunks(req, q, meta, chat, usage), lambda: self._gone(req, q))
         return Collected(self._collect(req, q, meta, chat), lambda: self._gone(req, q))
 
-    def _gone(self, req, q) -> None:
-        """the client disconnected: its slot is freed before the next step, the waiter woken"""
-        if not req.done:
-            self.engine.cancel(req)
-        q.put_nowait({"gone": True})
-
-    @staticmethod
-    def _usage(ev: dict) -> dict:
-        return {"prompt_tokens": ev["prompt_tokens"], "completion_tokens": ev["completion_tokens"],
-                "total_tokens": ev["prompt_tokens"] + ev["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": ev.get("cached_tokens", 0)}}
-
-    async def _collect(self, req, q, meta, chat):
-        text = []
-        while True:
-            ev = await q.get()
-            if "gone" in ev:
-                return None
-            if "error" in ev:
-                return error(503, ev["error"], type_="server_error")
-            if "delta" in ev:
-                text.append(ev["delta"])
-                continue
-            out = "".join(text)
-            choice = {"index": 0, "finish_reason": ev["finish"], "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": out}} if chat else {"text": out})
-            return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                                 "usage": self._usage(ev)})
-
-    async def _chunks(self, req, q, meta, chat, include_usage):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str | None, finish=None, role=False):
-            if chat:
-                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-                c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-            else:
-                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-            body = {**meta, "object": obj, "choices": [c]}
-            if include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
-
-        if chat:
-            yield chunk(None, role=True)
-        while True:
-            ev = await q.get()
-            if "gone" in ev:
-                return
-            if "error" in ev:
-                yield f"data: {json.dumps({'error': {'message': ev['error'], 'type': 'server_error'}})}\n\n".encode()
-                return
-            if "delta" in ev:
-                yield chunk(ev["delta"])
-                continue
-            yield chunk(None, ev["finish"])
-            if include_usage:
-                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': self._usage(ev)})}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-            return
-
-
-async def _watch_disconnect(receive, on_gone) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            on_gone()
-            return
-
-
-class EventStream:
-    """An SSE response that watches the connection: a disconnect cancels the request at once,
-    whether or not a token is being written."""
-
-    def __init__(self, chunks, on_gone):
-        self.chunks, self.on_gone = chunks, on_gone
-
-    async def __call__(self, scope, receive, send):
-        watcher = asyncio.create_task(_watch_disconnect(receive, self.on_gone))
-        try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                    (b"x-accel-buffering", b"no")]})
-            async for data in self.chunks:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away while we wrote
-            self.on_gone()
-        finally:
-            watcher.cancel()
-            await self.chunks.aclose()
-
-
-class Collected:
-    """A non-streaming response: waits for the whole completion, cancelled if the client leaves."""
-
-    def __init__(self, result, on_gone):
-        self.result, self.on_gone = result, on_gone
-
-    async def __call__(self, scope, receive, send):
-        watcher = asyncio.create_task(_watch_disconnect(receive, self.on_gone))
-        try:
-            resp = await self.result
-        finally:
-            watcher.cancel()
-        if resp is None:  # nobody is listening; complete the exchange all the same
-            resp = error(400, "the client closed the request", code="client_closed")
-        try:
-            await resp(scope, receive, send)
-        except OSError:
-            pass
-
 
 def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,
           max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print,
-          kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True) -> None:
+          kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True, cors_origins=()) -> None:
     import socket
 
     import uvicorn
@@ -324,7 +324,7 @@ def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str 
         raise RuntimeUserError(f"{model_path}: no tokenizer.json; the server needs the model's tokenizer")
     engine = Engine(m, max_queue=max_queue, prefix_cache=prefix_cache)
     name = model_name or (m.info.extra.get("hub") or {}).get("repo") or str(model_path).rstrip("/").split("/")[-1]
-    app = App(engine, name, api_key)
+    app = App(engine, name, api_key, cors_origins)
     echo(f"sparkq serve: {name} on http://{host}:{port}/v1 ({parallel} slots x {engine.slot_cap} tokens, {kv_dtype} KV, "
          f"{m.session.threads} threads{', prefix cache off' if not prefix_cache else ''}"
          f"{', API key required' if api_key else ''})")

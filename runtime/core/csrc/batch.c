@@ -211,3 +211,37 @@ int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64
     free(ls);
     return rc;
 }
+
+/* The final-normed hidden state (fp32 [hidden]) of row t of the last sq_step_many: what a caller
+ * needs for exact logits of head rows the step did not refine (sq_head_exact). Returns 0, -1 no
+ * such row. */
+int sq_batch_xn(const sq_model *m, void *batch, int64_t t, float *out) {
+    const sq_batch *b = batch;
+    if (!b || t < 0 || t >= b->rows) return -1;
+    const int64_t maxk = max3(m->hidden, m->inter, m->heads * m->head_dim);
+    memcpy(out, b->xn + t * maxk, sizeof(float) * (size_t)m->hidden);
+    return 0;
+}
+
+/* Exact logits of head rows ids[0..n) for the final-normed state x: both planes of a split head
+ * (split_row_dot, as its refinement computes them), else the stored weights in fp64 (refine_top's),
+ * the same bits the step gives the rows it refines. A grammar's allowed tokens are refined so
+ * (runtime/serve/engine.py). Returns 0, -1 out of memory. */
+int sq_head_exact(const sq_model *m, const float *x, const int32_t *ids, int64_t n, float *out) {
+    const sq_linear *H = &m->head;
+    if (!H->res) {
+        for (int64_t i = 0; i < n; i++) out[i] = (float)exact_row_dot(H, ids[i], x);
+        return 0;
+    }
+    const int64_t G = H->k / H->g;
+    float *gsum = malloc(sizeof(float) * (size_t)G);
+    if (!gsum) return -1;
+    for (int64_t gi = 0; gi < G; gi++) { /* split_select's sums */
+        float s = 0.f;
+        for (int64_t j = gi * H->g; j < (gi + 1) * H->g; j++) s += x[j];
+        gsum[gi] = s;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = split_row_dot(H, ids[i], x, gsum);
+    free(gsum);
+    return 0;
+}
