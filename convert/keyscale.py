@@ -81,10 +81,7 @@ class KeyScaling:
         return None
 
     def _set(self, fused: str, parts_rows: list[int], m: torch.Tensor) -> None:
-        """Multipliers over the rows of the virtual concatenation ``fused``, per source part (one
-        source tensor already fused, Phi-3's qkv_proj: all the rows)."""
-        if len(self.srcs[fused]) == 1:
-            parts_rows = [sum(parts_rows)]
+        """Multipliers over the rows of the virtual concatenation ``fused``, per source part."""
         base = 0
         for p, rows in zip(self.srcs[fused], parts_rows):
             seg = m[base:base + rows]
@@ -99,7 +96,7 @@ class KeyScaling:
         s = self.spec
         name = f"layers.{i}.{C.ROLE_QKV}"
         x = cal.inputs(name)
-        rows = s.part_rows(name)
+        rows = s.part_rows(name, len(self.srcs[name]))
         w = read_fused_rows(source, self.srcs[name], rows, s.q_dim, s.q_dim + s.kv_dim).float()
         k = torch.empty(x.shape[0], s.kv_dim)
         for t0 in range(0, x.shape[0], 1024):
@@ -184,7 +181,7 @@ def key_prepass(base: Source, scaled, spec: ModelSpec, srcs: dict, scaling, opts
             if role in (C.ROLE_QKV, C.ROLE_GATE_UP):
                 cal.inputs(name)
             n, k = shapes[name]
-            rows = lambda r0, r1, name=name: read_fused_rows(scaled, srcs[name], spec.part_rows(name), r0, r1).float()  # noqa: E731
+            rows = lambda r0, r1, name=name: read_fused_rows(scaled, srcs[name], spec.part_rows(name, len(srcs[name])), r0, r1).float()  # noqa: E731
             cal.advance(name, RowBlocks(rows, n, k, max(64, (ROW_CHUNK_ELEMS // k) // 64 * 64)))
             trim_heap()
 

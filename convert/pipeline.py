@@ -128,7 +128,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                                 # --head-rows without the budget's probe: the rows' probabilities on the
                                 # calibration tokens (the head's inputs are here)
                                 head_imp[item] = mean_probability(cal.inputs(item), lambda r0, r1, lin=lin: (
-                                    read_fused_rows(source, lin.sources, spec.part_rows(item), r0, r1).float()), lin.n)
+                                    read_fused_rows(source, lin.sources, spec.part_rows(item, len(lin.sources)), r0, r1).float()), lin.n)
                         try:
                             errors[item], deq = write_linear(w, source, spec, lin, layout, opts.method, bar, hbox,
                                                              keep_deq=role_of(item) != C.ROLE_LM_HEAD,

@@ -56,7 +56,7 @@ def plan(source: Source, opts: Options):
     shapes = spec.linear_shapes()
     for name, (n, k) in shapes.items():
         parts = srcs[name]
-        rows = spec.part_rows(name) if len(parts) > 1 else [n]  # one part: fused in the checkpoint (Phi-3)
+        rows = spec.part_rows(name, len(parts))
         for p, r in zip(parts, rows):
             if tuple(source.shapes[p]) != (r, k):
                 raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, config implies {[r, k]}; "
@@ -111,7 +111,7 @@ def spend_budget(source: Source, spec: ModelSpec, srcs: dict, linears: list[Line
     t0 = time.perf_counter()
 
     def read(lin, r0, r1):
-        return read_fused_rows(source, lin.sources, spec.part_rows(lin.name), r0, r1)
+        return read_fused_rows(source, lin.sources, spec.part_rows(lin.name, len(lin.sources)), r0, r1)
 
     params = sum(l.n * l.k for l in linears) + sum(s[0] for s in vectors.values())
     if opts.bpw == "auto":

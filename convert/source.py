@@ -116,10 +116,7 @@ HUB_PATTERNS = ["config.json", "model.safetensors", "model-*.safetensors", "mode
 
 
 def read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of the virtual concatenation of the parts along N (one part: a tensor the
-    checkpoint already fuses, Phi-3's qkv_proj / gate_up_proj, holding every part's rows)."""
-    if len(parts) == 1:
-        part_rows = [sum(part_rows)]
+    """Rows [r0, r1) of the virtual concatenation of the parts along N."""
     out, base = [], 0
     for p, rows in zip(parts, part_rows):
         a, b = max(r0, base), min(r1, base + rows)

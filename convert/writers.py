@@ -62,7 +62,7 @@ def write_linear(w: TensorFileWriter, source: Source, spec: ModelSpec, lin: Line
     if KINDS[lin.kind].grouped:
         check_shape(lin.n, lin.k, layout)
     chunk = max(get_layout(layout).block_rows, (ROW_CHUNK_ELEMS // lin.k) // 64 * 64)
-    return WRITERS[lin.kind](Job(w, source, lin, spec.part_rows(lin.name), layout, method, bar, hessian,
+    return WRITERS[lin.kind](Job(w, source, lin, spec.part_rows(lin.name, len(lin.sources)), layout, method, bar, hessian,
                                  want_deq and core is None, core, importance, chunk))
 
 

@@ -200,8 +200,11 @@ class ModelSpec:
         out[C.ROLE_LM_HEAD] = (self.vocab, self.hidden)
         return out
 
-    def part_rows(self, name: str) -> list[int]:
-        """Rows of each fused part (q, k, v) or (gate, up); one entry for unfused."""
+    def part_rows(self, name: str, parts: int | None = None) -> list[int]:
+        """Rows of each fused part (q, k, v) or (gate, up); one entry for unfused, or where the
+        checkpoint stores the parts as one tensor (``parts`` = 1: Phi-3's qkv_proj, gate_up_proj)."""
+        if parts == 1:
+            return [self.linear_shapes()[name][0]]
         role = name.rsplit(".", 1)[-1]
         if role == C.ROLE_QKV:
             return [self.q_dim, self.kv_dim, self.kv_dim]

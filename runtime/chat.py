@@ -21,9 +21,9 @@ class ChatSession:
     def __init__(self, gen, system: str | None = None, **sampling):
         if gen.tokenizer is None:
             raise RuntimeUserError("this model has no tokenizer.json: chat needs its tokenizer and chat template")
-        from .generate import check_request
+        from .sampling import SamplingParams
 
-        check_request([0], 1, sampling.get("temperature", 0.0), sampling.get("top_p", 1.0))
+        (sampling.get("sampling") or SamplingParams(sampling.get("temperature", 0.0), sampling.get("top_p", 1.0))).check()
         self.gen, self.system, self.sampling = gen, system, sampling
         self.reset()
 

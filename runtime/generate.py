@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .errors import RuntimeUserError
-from .sampling import Sampler, SamplingParams, choose
+from .sampling import Sampler, SamplingParams
 
 
 @dataclass
@@ -38,18 +38,12 @@ class GenStats:
         return d
 
 
-def sample(logits, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """A token from fp32 logits [vocab] with temperature and top-p only (sampling.py has the rest)."""
-    return choose(logits, SamplingParams(temperature, top_p), rng)
-
-
-def check_request(ids, max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_request(ids, max_new_tokens: int) -> None:
+    """(the sampling controls: SamplingParams.check)"""
     if not ids:
         raise RuntimeUserError("empty prompt: give at least one token of text")
     if max_new_tokens < 1:
         raise RuntimeUserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise RuntimeUserError("temperature must be >= 0 and top_p in (0, 1]")
 
 
 class Generator:
@@ -86,8 +80,8 @@ class Generator:
         last is fed back (its K/V cached at the next position). ``sampling``: every sampling
         control (sampling.py); else temperature, top_p and seed alone."""
         sampling = sampling or SamplingParams(temperature, top_p, seed=seed)
-        check_request(ids, max_new_tokens, sampling.temperature, sampling.top_p)
-        sampling.check(getattr(self.tokenizer, "vocab_size", None))
+        check_request(ids, max_new_tokens)
+        sampling.check()
         self.check_fits(len(ids) + max_new_tokens)
         stop = (self.tokenizer.stop_ids if self.tokenizer else set()) if stop_ids is None else set(stop_ids)
         sample_next = Sampler(sampling, ids)

@@ -163,7 +163,7 @@ def test_probe_estimates_are_output_errors(tiny):
     try:
         recipe, spec, linears, vectors, srcs = plan(src, Options(progress=False))
         ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-        read = lambda lin, a, b: _read_fused_rows(src, lin.sources, spec.part_rows(lin.name), a, b)  # noqa: E731
+        read = lambda lin, a, b: _read_fused_rows(src, lin.sources, spec.part_rows(lin.name, len(lin.sources)), a, b)  # noqa: E731
         options, sens = B.probe(src, spec, srcs, linears, ids, read)
         assert set(sens) == {lin.name for lin in linears} == set(options)  # the tied head: lm_head (embed shares it)
         assert all(0 < v for v in sens.values())

@@ -232,7 +232,7 @@ def test_calibration_moves_through_the_c_core_as_through_the_dequantized_weight(
     by = {l.name: l for l in linears}
     for name in [f"layers.{i}.{r}" for i in range(spec.layers) for r in ("qkv", "o", "gate_up", "down")]:
         lin = by[name]
-        w = _read_fused_rows(source, lin.sources, spec.part_rows(name), 0, lin.n).float()
+        w = _read_fused_rows(source, lin.sources, spec.part_rows(name, len(lin.sources)), 0, lin.n).float()
         if enc == "int8":
             q, s, _, _ = quantize_int8_rows(w)
             deq = q.float() * s.float()[:, None]
@@ -278,7 +278,7 @@ def test_calibration_forward_matches_transformers(fam, tmp_path):
     for name in order:
         h = cal.hessian(name)
         assert h.shape == (by[name].k, by[name].k)
-        w = _read_fused_rows(source, by[name].sources, spec.part_rows(name), 0, by[name].n)
+        w = _read_fused_rows(source, by[name].sources, spec.part_rows(name, len(by[name].sources)), 0, by[name].n)
         if name == "lm_head":
             ours = Layers(spec, None).logits((cal.inp @ w.T).view(2, 24, -1))  # (divisor, softcap)
         cal.advance(name, w)

@@ -22,7 +22,7 @@ def model(request, tmp_path_factory):
                       arch="llama" if tied else "qwen2")
     src = open_source(str(path))
     _, spec, linears, _, srcs = plan(src, Options(progress=False))
-    weight = lambda lin, a, b: _read_fused_rows(src, lin.sources, spec.part_rows(lin.name), a, b).float()  # noqa: E731
+    weight = lambda lin, a, b: _read_fused_rows(src, lin.sources, spec.part_rows(lin.name, len(lin.sources)), a, b).float()  # noqa: E731
     yield src, spec, linears, srcs, weight
     src.close()
 

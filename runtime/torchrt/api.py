@@ -91,8 +91,7 @@ def _load_bf16_checkpoint(path: Path):
     srcs = recipe.source_names(spec)
     linears = {}
     for name, (_, k) in spec.linear_shapes().items():
-        rows = spec.part_rows(name) if len(srcs[name]) > 1 else [spec.linear_shapes()[name][0]]  # (fused: Phi-3)
-        parts = [get(n, (r, k)) for n, r in zip(srcs[name], rows)]
+        parts = [get(n, (r, k)) for n, r in zip(srcs[name], spec.part_rows(name, len(srcs[name])))]
         linears[name] = DenseLinear(name, parts[0] if len(parts) == 1 else torch.cat(parts, 0))
     norms = {}
     for n, (size,) in spec.vector_shapes().items():

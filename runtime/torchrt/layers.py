@@ -139,10 +139,6 @@ class Layers:
     def final(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, "norm.weight")
 
-    def embed_scale(self) -> float | None:
-        """The embedding multiplier (Gemma: sqrt(hidden), rounded to bf16; Granite's), or None."""
-        return self.spec.embed_mult
-
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's output as the model returns it: divided (Granite's logits_scaling), soft-capped (Gemma 2)."""
         s = self.spec

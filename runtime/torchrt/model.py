@@ -124,7 +124,7 @@ class Model:
         self.cache = KVCache(spec, kv_capacity, kv_dtype)
         self.layers = Layers(spec, norms.__getitem__)  # the math between the products (layers.py)
         self.scale = self.layers.scale
-        self.embed_mult = self.layers.embed_scale()
+        self.embed_mult = spec.embed_mult  # Gemma's sqrt(hidden) in bf16, Granite's, or None
         self.fast = None  # core.Session (runtime/torchrt/fastpath.py) when the C decode step applies
         self.prefill_off: str | None = "no C core"  # why prompts do not go through the C core (None: they do)
         self.c_prefill = True  # prompts through the C core where prefill_off is None (False: the torch prefill)
