@@ -48,6 +48,8 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_w4a16_min_m": (ctypes.c_int, []),
     "sq_gemm_tiles": (ctypes.c_int, [_PTR(SqLinear), _P, _I, _P, _I]),
     "sq_tile_op": (ctypes.c_int, [_I, _P, _P, _P, _I]),
+    "sq_batch_tiles": (ctypes.c_int, [_I, _I]),
+    "sq_linear_a16": (ctypes.c_int, [_PTR(SqLinear), _P, _I, _P, _I]),
     "sq_set_threads": (None, [ctypes.c_int]),
     "sq_work_new": (_P, [_PTR(SqModel)]),
     "sq_work_free": (None, [_P]),

@@ -22,6 +22,11 @@ from ..errors import RuntimeUserError
 from . import abi
 from .lib import kind_code
 
+# the fewest sequences whose batched step takes the AMX int8 tile products when a server asks for
+# them (--batch-tiles): where they beat the W4A8 products on the Qwen3-1.7B shape (docs/serving.md
+# "Tiles": 8 sequences 0.9x, 16 1.6x; re-measure with tools/stepbench.py ART --rows 8,16 --tiles 16)
+BATCH_TILES_MIN_M = 16
+
 # prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
 # ~48 MiB fp32 for 512 tokens, from the buffer sizes) while each chunk reads every weight once
 # (and, on AVX512-BF16 CPUs, dequantizes it once: 512 against 256 tokens, pp512 at the 1.7B
@@ -120,6 +125,7 @@ class Session:
         self.vocab, self.embed_rows = head.n, m.embed.n
         lib.sq_set_threads(self.threads)
         self.batch, self.batch_rows = None, 0  # step_many's workspace (reserve_batch)
+        self.tiles = (0, 0)  # step_many's tile products: (from how many sequences, hardware): set_batch_tiles
         self.work = lib.sq_work_new(ctypes.byref(m))
         if not self.work:
             raise MemoryError("sq_work_new: out of memory")
@@ -196,6 +202,19 @@ class Session:
             self.batch_rows = 0
             raise MemoryError("sq_batch_new: out of memory")
 
+    def set_batch_tiles(self, min_m: int = 0, *, model: bool = False) -> None:
+        """step_many's int4 / lut4 products on AMX-INT8 tiles with 16-bit activations from
+        ``min_m`` sequences on (0: off, the default W4A8 products; csrc/gemv_tiles.c). A sequence's
+        bits then depend on whether its step had ``min_m`` sequences, not on which. ``model``: the
+        portable tile model instead of the hardware (any CPU, slow: tests)."""
+        hw = 0 if model or not min_m else 1
+        if min_m < 0:
+            raise ValueError(f"set_batch_tiles: min_m must be >= 0, got {min_m}")
+        if min_m and self.lib.sq_batch_tiles(int(min_m), hw) == -3:
+            raise RuntimeUserError("tile products need AMX tiles (an Intel Xeon with amx_int8) and the amx build; "
+                                   "this process runs another build: drop the option or set SPARKQ_KERNEL=amx")
+        self.tiles = (int(min_m), hw)
+
     def step_many(self, tokens, positions, kvoffs) -> np.ndarray:
         """One decode token per sequence (token, position, KV slot offset each) through every
         layer and the head, each weight read once: logits fp32 [M, vocab], each row the bits
@@ -210,6 +229,8 @@ class Session:
         self.reserve_batch(tok.size)
         out = np.empty((tok.size, self.vocab), np.float32)
         self.lib.sq_set_threads(self.threads)
+        if self.lib.sq_batch_tiles(*self.tiles):
+            raise RuntimeUserError("tile products need AMX tiles: this process runs another build")
         rc = self.lib.sq_step_many(ctypes.byref(self.m), self.work, self.batch, tok.size, tok.ctypes.data,
                                    pos.ctypes.data, off.ctypes.data, out.ctypes.data)
         if rc == -2:

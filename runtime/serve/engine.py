@@ -80,8 +80,10 @@ class Request:
 class Engine:
     """Continuous batching over a LiteModel loaded with ``slots = parallel``."""
 
-    def __init__(self, model, *, max_queue: int = 64, prefill_slice: int = PREFILL_SLICE, prefix_cache: bool = True):
+    def __init__(self, model, *, max_queue: int = 64, prefill_slice: int = PREFILL_SLICE, prefix_cache: bool = True,
+                 batch_tiles: int = 0):
         self.model, self.session, self.tok = model, model.session, model.tokenizer
+        self.session.set_batch_tiles(batch_tiles)  # opt-in: steps of >= batch_tiles sequences on AMX tiles
         self.parallel = model.slots
         self.slot_cap = min(model.cap, model.max_model_len)  # positions per sequence
         self.max_queue, self.prefill_slice = max_queue, int(prefill_slice)
@@ -156,7 +158,8 @@ class Engine:
     def load(self) -> dict:
         with self.cv:
             return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.parallel,
-                    "slot_tokens": self.slot_cap, "build": self.build, **self.stats}
+                    "slot_tokens": self.slot_cap, "build": self.build, "batch_tiles": self.session.tiles[0],
+                    **self.stats}
 
     # -- the engine thread --
 

@@ -13,6 +13,8 @@ typedef struct {
     int paired;   /* 0 natural order, 1 paired (AVX2 int4), 2 quad (AVX512 int4) */
     uint64_t epoch;       /* product counter (32 bits), see products() */
     struct sq_slot *slot; /* [SQ_MAXT] work-stealing ranges, one cache line each */
+    struct sq_a16 *ti;    /* the batched step's shared tile activations (gemv_tiles.c), or NULL */
+    int64_t col;          /* this token's index in them */
 } sq_act;
 
 #define SQ_MAXT 64
@@ -30,6 +32,7 @@ static int sq_act_alloc(sq_act *a, int64_t maxk) {
     a->slot = aligned_alloc(64, sizeof(sq_slot) * SQ_MAXT);
     if (a->slot) memset(a->slot, 0, sizeof(sq_slot) * SQ_MAXT);
     a->epoch = 0;
+    a->ti = NULL, a->col = 0;
     return a->q && a->s8 && a->gsum && a->gqsum && a->slot;
 }
 

@@ -52,6 +52,7 @@ typedef struct {
     int64_t rows;
     float *x, *xn, *qkv, *att, *h, *gu, *mid, *sc, *part; /* sc, part: attention's work items */
     sq_act *a;
+    sq_a16 *ti; /* the opt-in tile products' activations (gemv_tiles.c) */
 } sq_batch;
 
 void sq_batch_free(void *p) {
@@ -59,6 +60,7 @@ void sq_batch_free(void *p) {
     if (!b) return;
     free(b->x); free(b->xn); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc); free(b->part);
     acts_free(b->a, b->rows);
+    a16_free(b->ti);
     free(b);
 }
 
@@ -77,7 +79,9 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * items * (H / KV) * KVB);
     b->part = malloc(sizeof(float) * items * part_floats(m));
     b->a = acts_new(M, maxk);
-    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a)) {
+    b->ti = a16_new(M, maxk);
+    for (int64_t t = 0; b->a && b->ti && t < M; t++) b->a[t].ti = b->ti, b->a[t].col = t;
+    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a && b->ti)) {
         sq_batch_free(b);
         return NULL;
     }
@@ -104,6 +108,7 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
     float *x = b->x, *xn = b->xn, *qkv = b->qkv, *att = b->att, *h = b->h, *gu = b->gu, *mid = b->mid, *sc = b->sc;
     float *part = b->part;
     sq_act *a = b->a;
+    b->ti->m = M; /* whether this step's products take the tiles (a16_on) */
     {
 #pragma omp parallel
         {
@@ -182,6 +187,7 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < M; t++) rms_norm(x + t * E, m->final_norm, E, m->eps, off, xn + t * maxk);
             head_rows(m, w, a, M, xn, maxk, logits);
+            a16_release();
         }
     }
     return 0;

@@ -3,37 +3,17 @@
  * kernel's permission once per process (arch_prctl ARCH_REQ_XCOMP_PERM, sq_amx_init); until it
  * is granted the amx build's prompts take the bf16 GEMM, and runtime/core/lib.py falls back to
  * the best AVX512 build in one line when it is refused. */
-#include "tile_model.c"
-
-#define T_FN(name) name##_model
-#define T_DECL sq_tiles tm_own_, *tm = &tm_own_
-#define T_CONFIG(cfg) tm_loadconfig(tm, cfg)
-#define T_RELEASE() ((void)tm)
-#define T_ZERO(i) tm_zero(tm, i)
-#define T_LOAD(i, p, s) tm_load(tm, i, p, s)
-#define T_STORE(i, p, s) tm_store(tm, i, p, s)
-#define T_DPBF16PS(c, a, b) tm_dpbf16ps(tm, c, a, b)
+#include "tiles_model.h"
 #define T_DEQUANT tiles_dequant_c
 #define T_PACK tiles_pack_c
 #define T_STORE_OUT tiles_store_c
 #include "gemm_tiles.c"
-#undef T_FN
-#undef T_DECL
-#undef T_CONFIG
-#undef T_RELEASE
-#undef T_ZERO
-#undef T_LOAD
-#undef T_STORE
-#undef T_DPBF16PS
-#undef T_DEQUANT
-#undef T_PACK
-#undef T_STORE_OUT
+#include "tiles_undef.h"
 
 #ifdef SQ_AMX
 #include <sys/syscall.h>
 long syscall(long number, ...); /* unistd.h declares it only outside strict C11 */
 #define AMX_GEMM_MIN_M 16 /* fewer tokens: the W4A8 GEMM (docs/performance.md "AMX") */
-static int sq_amx_on; /* the kernel granted this process the tile state */
 
 /* a 16 x 16 dword transpose in registers: r[i] lane j <-> r[j] lane i */
 static inline void tr16x16(__m512i r[16]) {
@@ -129,7 +109,7 @@ static void tiles_store_avx512(const float *c, float *Y, uint16_t *ybf, int64_t 
 #define T_FN(name) name##_amx
 #define T_DECL
 #define T_CONFIG(cfg) _tile_loadconfig(cfg)
-#define T_RELEASE() _tile_release()
+#define T_RELEASE() (_tile_release(), a16_cfg = NULL)
 #define T_ZERO(i) _tile_zero(i)
 #define T_LOAD(i, p, s) _tile_loadd(i, p, s)
 #define T_STORE(i, p, s) _tile_stored(i, p, s)
@@ -212,6 +192,7 @@ int sq_tile_op(int64_t op, const void *a, const void *b, void *c, int64_t hw) {
     else _tile_dpbf16ps(0, 1, 2);
     _tile_stored(0, c, 64);
     _tile_release();
+    a16_cfg = NULL;
     return 0;
 #else
     return -3;

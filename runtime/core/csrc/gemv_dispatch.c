@@ -5,7 +5,8 @@
  * prep() runs on one thread (inside an `omp single`), products() is entered by every thread of
  * the region and ends in a barrier. */
 static void prep(const sq_linear *L, const float *x, sq_act *a) {
-    if (L->kind != KIND_BF16) quantize_act(x, L, a);
+    if (a->ti && a16_on(L, a->ti, a->ti->m)) a16_pack(L, x, a->ti, a->col); /* the step's products take the tiles */
+    else if (L->kind != KIND_BF16) quantize_act(x, L, a);
     a->x = x;
     a->epoch = (a->epoch + 1) & 0xffffffffu;
 }
@@ -100,6 +101,13 @@ static int claim(sq_slot *s, uint64_t ep, uint64_t lo0, uint64_t hi0, int back, 
  * converted once); the other kinds and builds run rows() per token on the row chunk, still in
  * cache from the previous token. */
 static void rows_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, int64_t ldy, int64_t r0, int64_t r1) {
+    if (a16_on(L, a[0].ti, M)) { /* opt-in: int8 tiles, 16-bit activations (gemv_tiles.c) */
+        many_q4_a16(L, a[0].ti, M, Y, ldy, r0, r1);
+        if (L->bias)
+            for (int64_t t = 0; t < M; t++)
+                for (int64_t n = r0; n < r1; n++) Y[t * ldy + n] += bf(L->bias[n]);
+        return;
+    }
     if (M == 1) { /* the decode step's products */
         rows(L, a, Y, r0, r1);
         return;
@@ -130,6 +138,10 @@ static void products_many(const sq_linear *L, const sq_act *a, int64_t M, float 
 #else
     const int nt = 1, t = 0;
 #endif
+    if (nt == 1 && a16_on(L, a[0].ti, M)) { /* the tile products in one call: 32-row blocks */
+        rows_many(L, a, M, Y, ldy, 0, N);
+        return;
+    }
     if (nt == 1 || nt > SQ_MAXT) {
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) rows_many(L, a, M, Y, ldy, c * 16, c * 16 + 16 < N ? c * 16 + 16 : N);
@@ -139,6 +151,7 @@ static void products_many(const sq_linear *L, const sq_act *a, int64_t M, float 
     const int64_t rowbytes = is_q4(L) ? L->k / 2 : L->kind == KIND_INT8 ? L->k : 2 * L->k;
     int64_t per = (16384 + 16 * rowbytes - 1) / (16 * rowbytes);
     if (per < 1) per = 1;
+    if (per < 2 && a16_on(L, a[0].ti, M)) per = 2; /* the tile products' 32-row blocks */
     if ((chunks + per - 1) / per > 0xffff) per = (chunks + 0xfffe) / 0xffff; /* 16-bit block indices */
     const int64_t nb = (chunks + per - 1) / per, rpb = 16 * per;
     const uint64_t ep = a[0].epoch;

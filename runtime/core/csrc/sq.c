@@ -24,6 +24,7 @@
  *
  * Files: sq_abi.h (the structs the binding fills), sq_simd.h (ISA switches, vector helpers),
  * act.c (activation quantization), work.c (the decode workspace), gemv*.c (decode products: portable reference, AVX2, AVX512,
+ * gemv_tiles.c the batched step's opt-in int8 tile products over tile_model.c or AMX (gemv_amx.c),
  * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products; gemm_tiles.c the tile GEMM over tile_model.c or AMX), pointwise.c (norms, RoPE,
  * activations, embedding rows), attention*.c (attention.c decode attention: the portable reference,
  * the dispatch and the schedule, including its block kernels attention_avx2.c / attention_avx512.c;
@@ -42,6 +43,8 @@
 #include "gemv.c"
 #include "gemv_avx2.c"
 #include "gemv_avx512.c"
+#include "tile_model.c"
+#include "gemv_amx.c" /* the batched products on int8 tiles, gemv_tiles.c twice */
 #include "gemv_dispatch.c"
 #include "gemm_avx2.c"
 #include "gemm_avx512.c"
