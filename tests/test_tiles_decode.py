@@ -55,8 +55,8 @@ def _reference(cl, kind, n, k, g, x):
 
 
 # (N, K, G, M): row tails (33, 40, 48, 80 rows: a 32-row block and a part one), every group kind
-# (32: 32-column tiles; 64..512), one token to nine token blocks of 8 (two passes over the weights)
-SHAPES = [(64, 256, 64, 3), (48, 128, 32, 17), (80, 384, 128, 1), (96, 512, 256, 8), (33, 1024, 512, 9), (40, 128, 64, 70)]
+# (32: 32-column tiles; 64..256), one token to nine token blocks of 8 (two passes over the weights)
+SHAPES = [(64, 256, 64, 3), (48, 128, 32, 17), (80, 384, 128, 1), (96, 512, 256, 8), (33, 1024, 256, 9), (40, 128, 64, 70)]
 
 
 def _a16(lib, L, x, hw):
@@ -71,8 +71,7 @@ def test_tile_products_over_the_model_are_the_defined_arithmetic(build, kind):
     """Over the tile model, on every build: the header's arithmetic bit for bit (the B-tile order,
     the 32-row blocks and row tails, the hi/lo halves, the int4 -8 and lut4 +128 offsets, group
     sums in their lane order); the product's error against fp64 is a tenth of the W4A8 products'
-    here (15-bit activations: measured 1e-4..6e-4 of the largest output, W4A8 3e-3..7e-3, with an
-    outlier channel 30x the others)."""
+    here (15-bit activations; with an outlier channel 30x the others: `-s` prints both)."""
     lib = K_.load(build)
     for i, (n, k, g, m) in enumerate(SHAPES):
         L, w, cl = _linear(lib, kind, n, k, g, i)
@@ -86,7 +85,9 @@ def test_tile_products_over_the_model_are_the_defined_arithmetic(build, kind):
         if m < max(lib.sq_w4a16_min_m(), 1) or lib.sq_w4a16_min_m() == 0:  # this build's W4A8 products
             ya8 = torch.empty(m, n)
             assert lib.sq_linear_batch(ctypes.byref(L), x.data_ptr(), 0, m, ya8.data_ptr(), None) == 0
-            assert err * 3 < float((ya8.double() - exact).abs().max() / exact.abs().max())
+            err8 = float((ya8.double() - exact).abs().max() / exact.abs().max())
+            print(f"{build} {kind} N={n} K={k} g{g} M={m}: tiles {err:.1e}, W4A8 {err8:.1e} of the largest output")
+            assert err * 3 < err8
     from sparkq.formats import constants as C
 
     i8 = K_.CLinear(C.KIND_INT8, 16, 64, 0, torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, dtype=torch.bfloat16))

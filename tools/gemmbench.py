@@ -1,6 +1,7 @@
 """Prefill products of one int4 (or lut4) rows32 linear: the C core's GEMMs (``sq_linear_batch`` of
 each prompt build this CPU runs: avx512-vnni W4A8, avx512-bf16 vdpbf16ps from 32 rows, amx tiles
-from 16; "tiles": the amx build's tile GEMM forced at any row count, for the crossover) vs
+from 16; "tiles": the amx build's tile GEMM forced at any row count, for the crossover; "a16": the
+batched decode step's opt-in int8 tile products, `sq_linear_a16`, always one thread) vs
 dequantize row blocks
 (``sq_dequant_rows``) + torch's GEMM (fp32, or bf16 where the CPU has native bf16: what the
 torch model's dequantizing path does), on random codes of given shapes.
@@ -87,6 +88,10 @@ def run(shapes: list[str], rows: int, rounds: int, reps: int, threads: int, kind
             def tiles():
                 libs["amx"].sq_gemm_tiles(ctypes.byref(Ls["amx"]), x.data_ptr(), rows, y.data_ptr(), 1)
             arms["tiles"] = tiles
+
+            def a16():  # the batched decode step's opt-in int8 tile products (one thread, packing included)
+                libs["amx"].sq_linear_a16(ctypes.byref(Ls["amx"]), x.data_ptr(), rows, y.data_ptr(), 1)
+            arms["a16"] = a16
         ops = 2 * rows * n * k
         ts = {a: [] for a in arms}
         for _ in range(rounds):
@@ -113,7 +118,7 @@ def main(shape: list[str] = typer.Option(SHAPES, "--shape", help="K,N,GROUP (rep
     if as_json:
         typer.echo(json.dumps(res, indent=1))
         return
-    builds = res[0]["builds"] + (["tiles"] if "tiles_gops" in res[0] else [])
+    builds = res[0]["builds"] + (["tiles", "a16"] if "tiles_gops" in res[0] else [])
     typer.echo(f"{kind} prefill products at {rows} rows, {threads} threads, {rounds} interleaved rounds x {reps} calls; "
                f"ratios are against dequantize + {res[0]['dequant_dtype']} torch GEMM\n")
     head = "| K | N | group | dequant + torch GOPS |" + "".join(f" {b} GOPS | {b} / dequant [min..max] |" for b in builds)

@@ -24,7 +24,7 @@ from .lib import kind_code
 
 # the fewest sequences whose batched step takes the AMX int8 tile products when a server asks for
 # them (--batch-tiles): where they beat the W4A8 products on the Qwen3-1.7B shape (docs/serving.md
-# "Tiles": 8 sequences 0.9x, 16 1.6x; re-measure with tools/stepbench.py ART --rows 8,16 --tiles 16)
+# "Tiles": 8 sequences 0.97x, 16 1.34-1.47x; re-measure with tools/stepbench.py ART --rows 8,16 --tiles 1)
 BATCH_TILES_MIN_M = 16
 
 # prompt tokens per sq_prefill chunk: bounds the activation buffers (at the Qwen3-1.7B shape
@@ -203,7 +203,7 @@ class Session:
             raise MemoryError("sq_batch_new: out of memory")
 
     def set_batch_tiles(self, min_m: int = 0, *, model: bool = False) -> None:
-        """step_many's int4 / lut4 products on AMX-INT8 tiles with 16-bit activations from
+        """step_many's int4 / lut4 products on AMX-INT8 tiles with 15-bit activations from
         ``min_m`` sequences on (0: off, the default W4A8 products; csrc/gemv_tiles.c). A sequence's
         bits then depend on whether its step had ``min_m`` sequences, not on which. ``model``: the
         portable tile model instead of the hardware (any CPU, slow: tests)."""

@@ -3,10 +3,9 @@
  * (sq_batch_tiles) and a whole-linear entry for tests (sq_linear_a16). */
 #ifdef SQ_AMX
 static int sq_amx_on; /* the kernel granted this process the tile state (sq_amx_init, gemm_amx.c) */
-/* the tile configuration this thread loaded for the batched products, NULL when none: loading
- * and releasing one per claimed block of rows cost a third of the step (1.7B shape, one thread,
- * one sequence on the tiles: 378 -> 263 ms without); the batched step releases once at its end
- * (a16_release), and the prompt GEMM's own release clears it */
+/* the tile configuration this thread loaded for the batched products, NULL when none: loaded once
+ * per thread and step rather than per claimed block of rows (a few dozen tile instructions each);
+ * the batched step releases it at its end (a16_release), and the prompt GEMM's own release clears it */
 static _Thread_local const sq_tilecfg *a16_cfg;
 
 static inline void a16_config(const sq_tilecfg *cfg) {
@@ -168,15 +167,32 @@ static void a16_pack(const sq_linear *L, const float *x, sq_a16 *ti, int64_t t) 
 #endif
 }
 
-/* rows [r0, r1) of the step's products of L on the tiles the switch chose */
-static void many_q4_a16(const sq_linear *L, const sq_a16 *ti, int64_t M, float *Y, int64_t ldy, int64_t r0, int64_t r1) {
+/* whether hw (1: the hardware tiles, 0: the model) can run here */
+static int a16_hw_here(int64_t hw) {
 #ifdef SQ_AMX
-    if (a16_hw) {
+    return !hw || sq_amx_on;
+#else
+    return !hw;
+#endif
+}
+
+/* rows [r0, r1) of L x_t for the M tokens packed in ti, on the tiles hw chose (no bias) */
+static void a16_rows(const sq_linear *L, const sq_a16 *ti, int hw, int64_t M, float *Y, int64_t ldy, int64_t r0,
+                     int64_t r1) {
+#ifdef SQ_AMX
+    if (hw) {
         many_q4_a16_amx(L, ti, M, Y, ldy, r0, r1);
         return;
     }
+#else
+    (void)hw; /* no hardware tiles in this build: sq_batch_tiles and sq_linear_a16 refuse hw */
 #endif
     many_q4_a16_model(L, ti, M, Y, ldy, r0, r1);
+}
+
+/* rows_many's tile products: the step's activations a[0].ti, the switch's choice of tiles */
+static void many_q4_a16(const sq_linear *L, const sq_act *a, int64_t M, float *Y, int64_t ldy, int64_t r0, int64_t r1) {
+    a16_rows(L, a[0].ti, a16_hw, M, Y, ldy, r0, r1);
 }
 
 /* The batched decode step's int4 / lut4 products on int8 tiles from min_m sequences on (0: never,
@@ -186,36 +202,22 @@ static void many_q4_a16(const sq_linear *L, const sq_a16 *ti, int64_t M, float *
 int sq_batch_tiles(int64_t min_m, int64_t hw) {
     if (min_m < 0) return -2;
     if (min_m == 0) hw = 0; /* off: always possible */
-#ifdef SQ_AMX
-    if (hw && !sq_amx_on) return -3;
-#else
-    if (hw) return -3;
-#endif
+    if (!a16_hw_here(hw)) return -3;
     a16_min_m = min_m, a16_hw = (int)hw;
     return 0;
 }
 
-/* Y [M, N] = L X [M, K] through the tile path (hw as sq_batch_tiles), one thread: tests and
- * tools. Returns 0, -1 out of memory, -2 a linear the path does not take, -3 no hardware tiles. */
+/* Y [M, N] = X [M, K] W^T (the bias not added) through the tile path (hw as sq_batch_tiles), one
+ * thread: tests and tools. Returns 0, -1 out of memory, -2 a linear the path does not take, -3 no
+ * hardware tiles. */
 int sq_linear_a16(const sq_linear *L, const float *X, int64_t M, float *Y, int64_t hw) {
     if (!a16_linear(L) || M <= 0) return -2;
-#ifdef SQ_AMX
-    if (hw && !sq_amx_on) return -3;
-#else
-    if (hw) return -3;
-#endif
+    if (!a16_hw_here(hw)) return -3;
     sq_a16 *ti = a16_new(M, L->k);
     if (!ti) return -1;
     for (int64_t t = 0; t < M; t++) a16_pack(L, X + t * L->k, ti, t);
-#ifdef SQ_AMX
-    if (hw) many_q4_a16_amx(L, ti, M, Y, L->n, 0, L->n);
-    else
-#endif
-        many_q4_a16_model(L, ti, M, Y, L->n, 0, L->n);
+    a16_rows(L, ti, (int)hw, M, Y, L->n, 0, L->n);
     a16_release();
     a16_free(ti);
-    if (L->bias)
-        for (int64_t t = 0; t < M; t++)
-            for (int64_t n = 0; n < L->n; n++) Y[t * L->n + n] += bf(L->bias[n]);
     return 0;
 }

@@ -101,32 +101,26 @@ static int claim(sq_slot *s, uint64_t ep, uint64_t lo0, uint64_t hi0, int back, 
  * converted once); the other kinds and builds run rows() per token on the row chunk, still in
  * cache from the previous token. */
 static void rows_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, int64_t ldy, int64_t r0, int64_t r1) {
-    if (a16_on(L, a[0].ti, M)) { /* opt-in: int8 tiles, 16-bit activations (gemv_tiles.c) */
-        many_q4_a16(L, a[0].ti, M, Y, ldy, r0, r1);
-        if (L->bias)
-            for (int64_t t = 0; t < M; t++)
-                for (int64_t n = r0; n < r1; n++) Y[t * ldy + n] += bf(L->bias[n]);
-        return;
-    }
-    if (M == 1) { /* the decode step's products */
+    void (*many)(const sq_linear *, const sq_act *, int64_t, float *, int64_t, int64_t, int64_t) = NULL;
+    if (a16_on(L, a[0].ti, M)) many = many_q4_a16; /* opt-in: int8 tiles, 15-bit activations (gemv_tiles.c) */
+    else if (M == 1) { /* the decode step's products */
         rows(L, a, Y, r0, r1);
         return;
     }
 #if defined(SQ_AVX2) && !defined(SQ_EXACT)
-    void (*many)(const sq_linear *, const sq_act *, int64_t, float *, int64_t, int64_t, int64_t) = NULL;
-    if (is_q4(L) && a[0].paired == 1) many = gemv_4bit_a8pair_many_avx2;
+    else if (is_q4(L) && a[0].paired == 1) many = gemv_4bit_a8pair_many_avx2;
 #ifdef SQ_AVX512
-    if (is_q4(L) && a[0].paired == 2) many = gemv_4bit_a8quad_many_avx512;
+    else if (is_q4(L) && a[0].paired == 2) many = gemv_4bit_a8quad_many_avx512;
 #endif
-    if (many) {
-        many(L, a, M, Y, ldy, r0, r1);
-        if (L->bias)
-            for (int64_t t = 0; t < M; t++)
-                for (int64_t n = r0; n < r1; n++) Y[t * ldy + n] += bf(L->bias[n]);
+#endif
+    if (!many) {
+        for (int64_t t = 0; t < M; t++) rows(L, a + t, Y + t * ldy, r0, r1);
         return;
     }
-#endif
-    for (int64_t t = 0; t < M; t++) rows(L, a + t, Y + t * ldy, r0, r1);
+    many(L, a, M, Y, ldy, r0, r1);
+    if (L->bias)
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t n = r0; n < r1; n++) Y[t * ldy + n] += bf(L->bias[n]);
 }
 
 /* Y[t] = L x_t for M tokens (Y + t * ldy), entered by every thread of the parallel region, ending

@@ -25,7 +25,7 @@
 #define SQ_GEMV_TILES_COMMON
 #define A16_Q 16383      /* activation codes |q| <= A16_Q: every group sum fits int32 (g <= 512) */
 #define A16_TB 8         /* tokens per B tile (each two columns) */
-#define A16_MAX_G 512
+#define A16_MAX_G 256    /* the format's largest group (formats/constants.py GROUP_SIZES) */
 #define A16_PASS 8       /* token blocks (64 tokens) per pass over the weights */
 
 /* the step's shared 15-bit activations (one per batch workspace, sq_batch_new) */
