@@ -285,3 +285,30 @@ def test_products_bench_tool_runs_and_batched_rows_are_single_rows(tmp_path):
     for (name, k, g), v in out.items():
         ref = out[("scalar", k, g)]
         assert ref != 0 and abs(v - ref) <= 1e-4 * abs(ref), (name, k, g, v, ref)
+
+
+def test_exact_sums_bench_tool_matches_its_scalar_mirror(tmp_path):
+    """tools/exactbench.c (docs/notes/performance-history.md "Exact group sums": the cost of exact
+    per-group integer sums in the AVX512-VNNI products) compiles against csrc on an AVX512-VNNI
+    CPU, and its kernel gives its scalar mirror's bits (the float operations a tile epilogue would
+    follow) for one to four tokens, g32 and g128, a half quad at the end (K = 576), 12 of 16
+    groups in a batch (K = 1536 g128); bad arguments: exit 2"""
+    import re
+    import subprocess
+    from pathlib import Path
+    from sparkq.runtime.core import builds
+    if "avx512-vnni" not in builds.host_builds():
+        pytest.skip("this CPU cannot run the avx512-vnni build")
+    root = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "exactbench"
+    p = subprocess.run([builds.compiler(), "-O2", "-std=c11", "-fopenmp", *builds.BUILDS["avx512-vnni"][0], "-I",
+                        str(root / "runtime/core/csrc"), str(root / "tools/exactbench.c"), "-o", str(exe), "-lm"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    for k, n, g, t in [(2048, 64, 32, 1), (576, 48, 32, 4), (1536, 32, 128, 3), (2048, 48, 128, 2), (1024, 16, 32, 3)]:
+        p = subprocess.run([str(exe), str(k), str(n), str(g), str(t), "1", "1"], capture_output=True, text=True,
+                           timeout=120, env={"OMP_NUM_THREADS": "2"})
+        r = re.search(r"exact vs its mirror: (\d+) rows differ; error vs fp64 a8 (\S+) exact (\S+)", p.stdout)
+        assert p.returncode == 0 and r and r.group(1) == "0", (k, g, t, p.stdout, p.stderr)
+        assert float(r.group(3)) < 2 * float(r.group(2)), p.stdout  # the same A8 error budget, give or take
+    assert subprocess.run([str(exe), "2048", "64", "64"], capture_output=True, timeout=60).returncode == 2

@@ -52,7 +52,7 @@ typedef struct {
     int64_t rows;
     float *x, *xn, *qkv, *att, *h, *gu, *mid, *sc, *part; /* sc, part: attention's work items */
     sq_act *a;
-    sq_a16 *ti; /* the opt-in tile products' activations (gemv_tiles.c) */
+    sq_a16 *ti; /* the opt-in tile products' activations (gemv_tiles.c), NULL until a step takes them */
 } sq_batch;
 
 void sq_batch_free(void *p) {
@@ -79,9 +79,8 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * items * (H / KV) * KVB);
     b->part = malloc(sizeof(float) * items * part_floats(m));
     b->a = acts_new(M, maxk);
-    b->ti = a16_new(M, maxk);
-    for (int64_t t = 0; b->a && b->ti && t < M; t++) b->a[t].ti = b->ti, b->a[t].col = t;
-    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a && b->ti)) {
+    for (int64_t t = 0; b->a && t < M; t++) b->a[t].col = t; /* b->ti: on the first step that takes the tiles */
+    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a)) {
         sq_batch_free(b);
         return NULL;
     }
@@ -92,8 +91,8 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
  * slots distinct), through every layer and the head: logits fp32 [M, vocab] (a final softcap,
  * if any, is the caller's). sq_step's arithmetic for every row: one parallel region, the decode
  * products for M tokens (products_many: each weight read once per step), attention over each
- * sequence's own slot; batch: an sq_batch_new workspace of >= M rows. Returns 0, -2 a position
- * beyond the cache, -3 no workspace for M rows. */
+ * sequence's own slot; batch: an sq_batch_new workspace of >= M rows. Returns 0, -1 out of memory
+ * (the tile products' activations), -2 a position beyond the cache, -3 no workspace for M rows. */
 int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const int64_t *tok, const int64_t *pos,
                  const int64_t *kvoff, float *logits) {
     sq_work *w = work;
@@ -108,7 +107,11 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
     float *x = b->x, *xn = b->xn, *qkv = b->qkv, *att = b->att, *h = b->h, *gu = b->gu, *mid = b->mid, *sc = b->sc;
     float *part = b->part;
     sq_act *a = b->a;
-    b->ti->m = M; /* whether this step's products take the tiles (a16_on) */
+    if (a16_min_m > 0 && M >= a16_min_m && !b->ti) { /* the first step on the tiles: their activations */
+        if (!(b->ti = a16_new(b->rows, maxk))) return -1;
+        for (int64_t t = 0; t < b->rows; t++) a[t].ti = b->ti;
+    }
+    if (b->ti) b->ti->m = M; /* whether this step's products take the tiles (a16_on) */
     {
 #pragma omp parallel
         {
