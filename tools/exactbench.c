@@ -100,27 +100,6 @@ static inline __m512i red16_of4(const __m512i *z) {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(y0, y1, 0x88), _mm512_shuffle_i32x4(y0, y1, 0xdd));
 }
 
-/* in-place 16 x 16 transpose (v[i] lane j -> v[j] lane i) */
-static inline void tr16(__m512 *v) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++)
-        t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-        v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d)), v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(v[i], v[4 + i], 0x88), t[4 + i] = _mm512_shuffle_f32x4(v[i], v[4 + i], 0xdd);
-        t[8 + i] = _mm512_shuffle_f32x4(v[8 + i], v[12 + i], 0x88), t[12 + i] = _mm512_shuffle_f32x4(v[8 + i], v[12 + i], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88), v[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-        v[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88), v[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
-    }
-}
-
 /* step p's codes of row w (zeros past the row; the half step K % 128 == 64 masked to its 32 bytes) */
 static inline __attribute__((always_inline)) void ex_codes(const uint8_t *w, const uint8_t *wa, int64_t p, int64_t nq,
                                                            int half, __m512i *lo, __m512i *hi) {
@@ -150,26 +129,24 @@ static inline __attribute__((always_inline)) void ex_rows(const sq_linear *L, co
     const int half = K % 128 != 0;
     const int64_t ahead = rows_ahead(rb, 8192), per = (ng + 15) / 16;
     float scr[16][256] __attribute__((aligned(64))); /* [row][group], each batch of 16 in lane order */
+    int32_t sg[256 * 16] __attribute__((aligned(64)));  /* [group][row]: the scales' bits */
     for (int64_t c0 = r0; c0 < r1; c0 += 16) {
         const int64_t nr = r1 - c0 < 16 ? r1 - c0 : 16;
         const __mmask16 valid = rows_mask(nr);
-        for (int64_t b = 0; b < nb; b++) { /* the chunk's scales, row-major */
-            __m512 v[16];
-            for (int l = 0; l < 16; l++) {
-                const int64_t gi = 16 * b + (G == 32 ? 4 * (l % 4) + l / 4 : l);
-                v[l] = gi < ng ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, (const void *)(L->sz + 2 * (gi * N + c0))), 16))
-                               : _mm512_setzero_ps();
-            }
-            tr16(v);
-            for (int r = 0; r < 16; r++) _mm512_store_ps(&scr[r][16 * b], v[r]);
-        }
         float zt[4][16] __attribute__((aligned(64)));
         __m512 ztv[4];
         for (int t = 0; t < T; t++) ztv[t] = _mm512_setzero_ps();
-        for (int64_t gi = 0; gi < ng; gi++) { /* zero terms: groups in order, fma(z, gsum, zt) */
-            const __m512i v = _mm512_maskz_loadu_epi32(valid, (const void *)(L->sz + 2 * (gi * N + c0)));
+        for (int64_t gi = 0; gi < nb * 16; gi++) { /* scales group-major; zero terms: groups in order, fma(z, gsum, zt) */
+            const __m512i v = gi < ng ? _mm512_maskz_loadu_epi32(valid, (const void *)(L->sz + 2 * (gi * N + c0))) : _mm512_setzero_si512();
+            _mm512_store_si512((void *)(sg + 16 * gi), _mm512_slli_epi32(v, 16));
             const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000)));
-            for (int t = 0; t < T; t++) ztv[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].gsum[gi]), ztv[t]);
+            for (int t = 0; t < T && gi < ng; t++) ztv[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].gsum[gi]), ztv[t]);
+        }
+        for (int64_t b = 0; b < nb; b++) { /* the chunk's scales row-major, each batch in lane order */
+            __m512i v[16];
+            for (int l = 0; l < 16; l++) v[l] = _mm512_load_si512((const void *)(sg + 16 * (16 * b + (G == 32 ? 4 * (l % 4) + l / 4 : l))));
+            tr16x16(v);
+            for (int r = 0; r < 16; r++) _mm512_store_si512((void *)&scr[r][16 * b], v[r]);
         }
         for (int t = 0; t < T; t++) _mm512_store_ps(zt[t], ztv[t]);
         for (int64_t i = 0; i < nr; i++) {

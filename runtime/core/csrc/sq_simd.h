@@ -99,6 +99,30 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
 }
 
+/* a 16 x 16 dword transpose in registers: r[i] lane j <-> r[j] lane i */
+static inline void tr16x16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int q = 0; q < 4; q++) { /* u[4k + q]: lane L holds column 4L + k of rows 4q..4q+3 */
+        u[q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 + q] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[8 + q] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[12 + q] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int k = 0; k < 4; k++) { /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i *v = u + 4 * k;
+        const __m512i v0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), v1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), v3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+        r[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
 static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
