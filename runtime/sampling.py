@@ -65,6 +65,18 @@ def logprobs(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum())
 
 
+def top_tokens(lp: np.ndarray, k: int) -> np.ndarray:
+    """The k most probable tokens of log-probabilities lp, most probable first, ties by lower id
+    (``np.argsort(-lp, kind="stable")[:k]``, without sorting the whole vocabulary)."""
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    cand = np.arange(lp.size)
+    if k < lp.size:
+        kth = lp[np.argpartition(-lp, k - 1)[k - 1]]
+        cand = np.flatnonzero(lp >= kth)  # every token tied with the k-th too
+    return cand[np.lexsort((cand, -lp[cand]))][:k]
+
+
 class Sampler:
     """One sequence's sampler: its parameters, generator and the tokens seen so far (for the
     penalties). ``__call__(logits, mask)`` -> token id; ``mask``: bool [vocab], the allowed tokens."""

@@ -39,6 +39,11 @@ def _templates(model):
     out.append(("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": QUESTIONS[0]}],
                                          "max_tokens": 40, "temperature": 0.8, "seed": 3, "stream": False,
                                          "tools": [tool], "tool_choice": "required"}))
+    # n seeded choices; lm-eval's loglikelihood request (a batch, echo, the prompts' logprobs)
+    out.append(("/v1/completions", {"model": model, "prompt": TEXTS[1], "max_tokens": 12, "temperature": 0.9, "seed": 9,
+                                    "n": 2, "stream": False}))
+    out.append(("/v1/completions", {"model": model, "prompt": TEXTS[2:], "max_tokens": 1, "temperature": 0, "seed": 1234,
+                                    "logprobs": 1, "echo": True, "stream": False}))
     return out
 
 
@@ -46,12 +51,14 @@ def _malformed(model, rng):
     return rng.choice([b"{", b"null", b"[]", json.dumps({"model": model}).encode(),
                        json.dumps({"model": model, "messages": "hi"}).encode(),
                        json.dumps({"model": model, "prompt": "a", "max_tokens": -1}).encode(),
-                       json.dumps({"model": model, "prompt": "a", "n": 3}).encode(),
+                       json.dumps({"model": model, "prompt": "a", "n": 0}).encode(),
                        json.dumps({"model": model, "prompt": "a", "temperature": "hot"}).encode(),
                        json.dumps({"model": "other", "prompt": "a"}).encode(), b"\xff\xfe garbage"])
 
 
 def _text(r):
+    if "json" in r and len(r["json"]["choices"]) > 1:  # n choices, a batch: each one's text and logprobs
+        return json.dumps([[c.get("text"), (c.get("logprobs") or {}).get("token_logprobs")] for c in r["json"]["choices"]])
     if "json" in r:
         c = r["json"]["choices"][0]
         if c.get("message", {}).get("tool_calls"):  # (their ids are new per response)

@@ -46,3 +46,15 @@ def test_bad_controls_are_one_line_errors(kw, needle):
         SamplingParams(**kw).check(vocab=10)
     with pytest.raises(RuntimeUserError, match="outside the vocabulary"):
         SamplingParams(logit_bias={10: 1.0}).check(vocab=10)
+
+
+def test_top_tokens_is_the_stable_sort_without_sorting_the_vocabulary():
+    """top_tokens (logprobs' alternatives) = argsort(-lp, stable)[:k], ties at the k-th value included"""
+    from sparkq.runtime.sampling import top_tokens
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 60))
+        lp = np.round(rng.normal(size=n), 1)  # coarse: many ties
+        for k in (0, 1, 2, int(rng.integers(0, n + 3))):
+            assert top_tokens(lp, k).tolist() == np.argsort(-lp, kind="stable")[:k].tolist(), (lp, k)

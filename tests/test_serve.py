@@ -342,7 +342,21 @@ def _raw(url, method, path, body=None, headers=None):
     (json.dumps({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode(), 400, "role"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400,
      "only text parts"),
-    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n > 1"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 65}).encode(), 400, "'n' must be"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 4}).encode(), 400,
+     "asks for 4 sequences"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": {"a": 1}}).encode(), 400,
+     "'metadata' must map strings"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "store": "yes"}).encode(), 400,
+     "'store' must be a boolean"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"}).encode(),
+     400, "'reasoning_effort' must be one of"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}).encode(),
+     400, "no thinking switch"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}).encode(),
+     400, "modalities"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}).encode(), 400,
+     "refusal is not supported"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}).encode(),
      400, "tools[0] must be"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}).encode(),
@@ -368,7 +382,7 @@ def _raw(url, method, path, body=None, headers=None):
      "temperature"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode(), 400,
      "max_tokens"),
-    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}).encode(), 400, "stop"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 17}).encode(), 400, "stop"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(), 400,
      "context of 256 tokens"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "long " * 100}]}).encode(), 400,
@@ -391,8 +405,14 @@ def test_other_routes_prompt_forms_and_the_openai_client_errors(api):
     assert code == 200 and j["status"] == "ok" and j["slots"] == 2
     from sparkq.runtime.core import build_name
     assert j["build"] == build_name(e.session.lib)  # the C-core build the engine runs
-    code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode())
-    assert code == 400 and "one prompt per request" in j["error"]["message"]
+    code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": ["a", [1, 2], 3]}).encode())
+    assert code == 400 and "a list of either (a batch)" in j["error"]["message"]
+    for body, needle in [({"prompt": "a", "max_tokens": 0}, "'max_tokens' must be an integer >= 1"),
+                         ({"prompt": "a", "echo": 1}, "'echo' must be a boolean"),
+                         ({"prompt": "a", "n": 2, "best_of": 3}, "best_of > n"),
+                         ({"prompt": ["a", "b"], "n": 2}, "asks for 4 sequences")]:
+        code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", **body}).encode())
+        assert code == 400 and needle in j["error"]["message"], (body, j)
     code, j = _raw(url, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 99999]}).encode())
     assert code == 400 and "token ids" in j["error"]["message"]
     c = _client(url)
@@ -603,6 +623,127 @@ def test_sampling_controls_logprobs_and_reasoning_through_the_openai_client(api,
         assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         plain = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
         assert plain.choices[0].message.content == e.generate(ids, 6)["text"]  # no <think>: all content
+    finally:
+        e.tok.chat_template = template
+
+
+def test_n_choices_and_prompt_batches_are_the_requests_they_stand_for(api):
+    """n choices: choice j is what a request with seed + j gives (streamed: merged by index); a
+    completions batch: one choice per prompt (and n each, prompt-major), usage counting each prompt once."""
+    from sparkq.runtime.sampling import SamplingParams
+
+    url, e = api
+    c = _client(url)
+    msgs = [{"role": "user", "content": "name a colour"}]
+    ids = e.tok.encode_chat(msgs)
+    r = c.chat.completions.create(model="tiny", messages=msgs, n=3, temperature=1.0, seed=11, max_tokens=6)
+    alone = [e.generate(ids, 6, sampling=SamplingParams(1.0, seed=11 + j)) for j in range(3)]
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in r.choices] == [a["text"] for a in alone]
+    assert len({a["text"] for a in alone}) > 1  # the seeds differ, so the choices do
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == sum(len(a["ids"]) for a in alone)
+    got = {}
+    for ch in c.chat.completions.create(model="tiny", messages=msgs, n=2, temperature=1.0, seed=11, max_tokens=6,
+                                        stream=True, stream_options={"include_usage": True}):
+        for cc in ch.choices:
+            got[cc.index] = got.get(cc.index, "") + (cc.delta.content or "")
+        if ch.usage:
+            assert ch.usage.completion_tokens == sum(len(a["ids"]) for a in alone[:2])
+    assert got == {0: alone[0]["text"], 1: alone[1]["text"]}
+    # completions: a batch of a string and token ids, greedy, n = 1 then the batch's choices in order
+    p2 = e.tok.encode("zz top")
+    refs = [e.generate(e.tok.encode("hello there"), 5, ignore_eos=True), e.generate(p2, 5, ignore_eos=True)]
+    r = c.completions.create(model="tiny", prompt=["hello there", p2], max_tokens=5, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert [ch.text for ch in r.choices] == [x["text"] for x in refs] and [ch.index for ch in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == len(e.tok.encode("hello there")) + len(p2) and r.usage.completion_tokens == 10
+    streamed = {}
+    for ch in c.completions.create(model="tiny", prompt=["hello there", p2], max_tokens=5, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True}):
+        for cc in ch.choices:
+            streamed[cc.index] = streamed.get(cc.index, "") + cc.text
+    assert streamed == {0: refs[0]["text"], 1: refs[1]["text"]}
+
+
+def test_echo_returns_the_prompts_own_logprobs(api, serve_art):
+    """completions' echo (what lm-eval's loglikelihood sends: a batch, echo, logprobs 1, max_tokens 1):
+    the prompt's text and tokens first, the first token's logprob null, every other the log-softmax of
+    the logits at the token before it (sq_prefill over all positions, then the head); max_tokens 0
+    returns the prompt alone; the completion is the same bits as without echo."""
+    from sparkq.runtime.sampling import logprobs as log_softmax
+
+    url, e = api
+    c = _client(url)
+    ids = e.tok.encode("the quick brown fox jumps over the lazy dog " * 2)
+    single, k = _lite(serve_art, 1), e.prefill_slice  # the engine's slices (the prompt GEMM's bits depend on them)
+    assert len(ids) > k
+    rows = np.concatenate([single.session.head_many(single.session.prefill(ids[a:a + k], a, last_only=False, chunk=k))
+                           for a in range(0, len(ids), k)])
+    want = [log_softmax(rows[i])[ids[i + 1]] for i in range(len(ids) - 1)]
+    plain = c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=1,
+                                 extra_body={"ignore_eos": True})
+    r = c.completions.create(model="tiny", prompt=[ids, ids[:5]], max_tokens=3, temperature=0, logprobs=1, echo=True,
+                             extra_body={"ignore_eos": True})
+    ch = r.choices[0]
+    lp = ch.logprobs
+    assert ch.text == e.tok.decode(ids) + plain.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 3
+    assert lp.tokens[:len(ids)] == [e.tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert np.allclose(lp.token_logprobs[1:len(ids)], want, atol=1e-5)
+    for i in range(1, len(ids)):  # one alternative each: the most probable token at that position
+        best = int(np.argmax(rows[i - 1]))
+        assert lp.top_logprobs[i] == {e.tok.decode([best]): pytest.approx(float(log_softmax(rows[i - 1])[best]), abs=1e-5)}
+    assert lp.token_logprobs[len(ids):] == plain.choices[0].logprobs.token_logprobs  # the completion: unchanged bits
+    rows5 = single.session.head_many(single.session.prefill(ids[:5], 0, last_only=False))  # its own products (5 rows)
+    assert r.choices[1].logprobs.token_logprobs[1:5] == pytest.approx([log_softmax(rows5[i])[ids[i + 1]] for i in range(4)],
+                                                                       abs=1e-5)
+    assert r.usage.prompt_tokens == len(ids) + 5
+    # max_tokens 0: the prompt alone; logprobs 0: no alternatives
+    r0 = c.completions.create(model="tiny", prompt="hello there", max_tokens=0, echo=True, logprobs=0)
+    assert r0.choices[0].text == "hello there" and r0.usage.completion_tokens == 0 and r0.choices[0].finish_reason == "length"
+    assert r0.choices[0].logprobs.top_logprobs[1:] == [{}] * (len(e.tok.encode("hello there")) - 1)
+    # echo without logprobs, streamed: the prompt's text is the first piece
+    chunks = list(c.completions.create(model="tiny", prompt="hello there", max_tokens=3, echo=True, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text == "hello there" and chunks[0].choices[0].logprobs is None
+    assert "".join(x.choices[0].text for x in chunks) == "hello there" + e.generate(e.tok.encode("hello there"), 3,
+                                                                                     ignore_eos=True)["text"]
+
+
+def test_what_apps_send_besides_the_request(api):
+    """Hosted-service fields (store, metadata, service_tier, user, prompt_cache_key) are accepted and
+    change nothing; an earlier reply goes back as the client received it (null refusal / annotations
+    / audio, reasoning_content); GET /v1/models/{id}; reasoning_effort is the template's thinking switch."""
+    import openai
+
+    url, e = api
+    c = _client(url)
+    msgs = [{"role": "user", "content": "hello"}]
+    ref = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6)
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, store=False, metadata={"run": "a"},
+                                  service_tier="auto", user="u", prompt_cache_key="k", modalities=["text"],
+                                  reasoning_effort="none")
+    assert r.choices[0].message.content == ref.choices[0].message.content
+    back = ref.choices[0].message.model_dump()  # role, content, refusal, annotations, audio, function_call, tool_calls
+    assert {"refusal", "annotations", "audio"} <= set(back)
+    back["reasoning_content"] = "thought"
+    r2 = c.chat.completions.create(model="tiny", messages=msgs + [back, {"role": "user", "content": "more"}], max_tokens=4)
+    assert r2.choices[0].finish_reason in ("stop", "length")
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("nope")
+    template = e.tok.chat_template
+    try:  # a template with a thinking switch: "none" turns it off, any other level on
+        e.tok.chat_template = template + "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}"
+        on = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, reasoning_effort="low")
+        off = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, reasoning_effort="none")
+        assert on.usage.prompt_tokens == len(e.tok.encode_chat(msgs, enable_thinking=True)) == off.usage.prompt_tokens + \
+            len(e.tok.encode("<think>\n")) - int(e.tok.add_bos)
+        assert on.choices[0].message.model_extra.get("reasoning_content") and not off.model_extra.get("reasoning_content")
+        explicit = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, reasoning_effort="low",
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert explicit.usage.prompt_tokens == off.usage.prompt_tokens  # the explicit switch wins
     finally:
         e.tok.chat_template = template
 

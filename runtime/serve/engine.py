@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import RuntimeUserError
-from ..sampling import Sampler, SamplingParams, logprobs
+from ..sampling import Sampler, SamplingParams, logprobs, top_tokens
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
 # 64-token slice is ~0.5 s, the longest a running stream waits for a newcomer's prompt
@@ -48,8 +48,9 @@ class QueueFull(Exception):
 
 @dataclass
 class Request:
-    """One generation: prompt ids, limits and sampling; ``emit(event: dict)`` receives
-    {"delta": text} pieces and one {"finish": reason, "prompt_tokens", "completion_tokens"}."""
+    """One generation: prompt ids, limits (max_tokens 0: the prompt alone) and sampling;
+    ``emit(event: dict)`` receives {"delta": text} pieces and one {"finish": reason,
+    "prompt_tokens", "completion_tokens"}."""
     ids: list[int]
     max_tokens: int
     emit: object
@@ -63,6 +64,12 @@ class Request:
     split: object = None  # the server's reasoning splitter (chat replies)
     constraint: object = None  # a grammar's per-sequence matcher (structured.py): the allowed tokens
     tool: object = None  # the server's tool-call parsing of this reply (tools.py)
+    index: int = 0  # the server's choice index within its response
+    echo: str | None = None  # the server's echoed prompt text (completions' echo)
+    # emit the prompt's own log-probabilities (completions' echo) with this many alternatives: one
+    # {"prompt_logprob"} event per prompt token as it is prefilled (the first: no logprob); the
+    # prompt is then prefilled whole (no kept prefix)
+    echo_logprobs: int | None = None
     # engine state
     cancelled: bool = False
     done: bool = False
@@ -112,9 +119,10 @@ class Engine:
 
     # -- the caller's side (any thread) --
 
-    def check(self, n_prompt: int, max_tokens: int | None) -> int:
-        """The max_tokens a request of n_prompt tokens gets (None: up to the slot's end); raises
-        RuntimeUserError naming the limit when it cannot fit."""
+    def check(self, n_prompt: int, max_tokens: int | None, zero: bool = False) -> int:
+        """The max_tokens a request of n_prompt tokens gets (None: up to the slot's end; 0 only
+        with ``zero``: the prompt alone, for its log-probabilities); raises RuntimeUserError naming
+        the limit when it cannot fit."""
         if n_prompt < 1:
             raise RuntimeUserError("empty prompt: give at least one token of text")
         if n_prompt >= self.slot_cap:
@@ -124,25 +132,40 @@ class Engine:
         room = self.slot_cap - n_prompt
         if max_tokens is None:
             return room
+        if max_tokens < (0 if zero else 1):
+            raise RuntimeUserError(f"max_tokens must be >= {0 if zero else 1}, got {max_tokens}")
         if max_tokens > room:
             raise RuntimeUserError(f"the prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceed this server's "
                                    f"context of {self.slot_cap} tokens per sequence; lower max_tokens to at most {room}")
         return max_tokens
 
     def submit(self, req: Request) -> Request:
-        req.max_tokens = self.check(len(req.ids), req.max_tokens)
-        req.sampler = Sampler(req.sampling or SamplingParams(req.temperature, req.top_p, seed=req.seed), req.ids)
-        req.t_submit = time.perf_counter()
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[Request]) -> list[Request]:
+        """Queue requests together (a request's n choices or prompts): all of them, or none
+        (QueueFull when the free slots and the queue's room cannot take them all now;
+        RuntimeUserError when they never could)."""
+        if len(reqs) > self.parallel + self.max_queue:
+            raise RuntimeUserError(f"this request asks for {len(reqs)} sequences; this server holds at most "
+                                   f"{self.parallel + self.max_queue} at once (--parallel {self.parallel} + --max-queue "
+                                   f"{self.max_queue}): ask for fewer (n x prompts)")
+        for req in reqs:
+            req.max_tokens = self.check(len(req.ids), req.max_tokens, zero=True)  # 0: the prompt alone
+            req.sampler = Sampler(req.sampling or SamplingParams(req.temperature, req.top_p, seed=req.seed), req.ids)
+            req.t_submit = time.perf_counter()
         with self.cv:
             if self.closed:
                 raise QueueFull("the server is shutting down")
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error}")
-            if len(self.waiting) >= self.max_queue and not self.free:
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting for one of {self.parallel} slots")
-            self.waiting.append(req)
+            room = self.max_queue - len(self.waiting) + len(self.free)
+            if len(reqs) > room:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting for one of {self.parallel} slots"
+                                + (f" (this request asks for {len(reqs)} sequences)" if len(reqs) > 1 else ""))
+            self.waiting.extend(reqs)
             self.cv.notify()
-        return req
+        return reqs
 
     def cancel(self, req: Request) -> None:
         with self.cv:
@@ -189,7 +212,7 @@ class Engine:
             self.stats["cancelled"] += 1
         while self.waiting and self.free:
             r = self.waiting.popleft()
-            reuse = {k: self._reusable(k, r.ids) for k in self.free}
+            reuse = {k: self._reusable(k, r.ids) if r.echo_logprobs is None else 0 for k in self.free}
             best = max(self.free, key=lambda k: (reuse[k], -self.last_used[k]))  # else the least recently used
             self.free.remove(best)
             r.slot, r.cached = best, reuse[best]
@@ -249,12 +272,25 @@ class Engine:
             token = r.sampler(logits)
         if r.logprobs is not None:  # the model's log-probabilities (the raw logits'), as OpenAI reports them
             lp = logprobs(logits)
-            top = np.argsort(-lp, kind="stable")[:r.logprobs] if r.logprobs else []
+            top = top_tokens(lp, r.logprobs or 0)
             r.emit({"logprob": {"id": token, "logprob": float(lp[token]),
                                 "top": [(int(t), float(lp[t])) for t in top]}})
         self._accept(r, token)
         if r.constraint is not None and r.constraint.done and not r.done:  # (even with ignore_eos)
             self._accept_end(r)
+
+    def _prompt_logprobs(self, r: Request, a: int, b: int, xn: np.ndarray) -> list[dict]:
+        """(engine thread) the log-probabilities of prompt tokens a + 1 .. b (each from the logits
+        of the one before it, hidden states xn of a..b-1), the first token's entry without one"""
+        out = [{"id": r.ids[0], "logprob": None, "top": None}] if a == 0 else []
+        n = min(b, len(r.ids) - 1) - a  # rows whose next token is in the prompt
+        if n > 0:
+            for i, row in enumerate(self.session.head_many(xn[:n])):
+                lp = logprobs(row)
+                t = r.ids[a + i + 1]
+                top = top_tokens(lp, r.echo_logprobs)
+                out.append({"id": t, "logprob": float(lp[t]), "top": [(int(k), float(lp[k])) for k in top]})
+        return out
 
     def _refined(self, logits: np.ndarray, mask: np.ndarray, xn) -> np.ndarray:
         """The head refines its top candidates exactly (both planes of a split head); where a grammar
@@ -324,15 +360,26 @@ class Engine:
             if pre is not None:  # one slice of the oldest unfinished prompt
                 a = pre.filled
                 b = min(len(pre.ids), a + self.prefill_slice)
-                xn = s.prefill(pre.ids[a:b], a, kvoff=pre.slot * self.model.slot_elems, chunk=self.prefill_slice)
-                logits = s.head_many(xn) if b == len(pre.ids) else None
+                echo = pre.echo_logprobs is not None
+                xn = s.prefill(pre.ids[a:b], a, last_only=not echo, kvoff=pre.slot * self.model.slot_elems,
+                               chunk=self.prefill_slice)
+                # the last row's hidden state is the same bits either way (sq_prefill), its logits
+                # from the one-row head as without echo
+                logits = s.head_many(xn[-1:]) if b == len(pre.ids) else None
+                plps = self._prompt_logprobs(pre, a, b, xn) if echo and not pre.cancelled else []
                 with self.cv:
                     pre.filled = b
                     if pre.slot >= 0:
                         self.kept[pre.slot] = (pre.ids, b)
                     self.stats["prefilled"] += b - a
+                    if not pre.cancelled:
+                        for ev in plps:
+                            pre.emit({"prompt_logprob": ev})
                     if logits is not None and not pre.cancelled:
-                        self._sample(pre, logits[0], lambda xn=xn: xn[-1])
+                        if pre.max_tokens == 0:
+                            self._finish(pre, "length")
+                        else:
+                            self._sample(pre, logits[0], lambda xn=xn: xn[-1])
             if dec:
                 toks = [r.new[-1] for r in dec]
                 pos = [len(r.ids) + len(r.new) - 1 for r in dec]

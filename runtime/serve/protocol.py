@@ -7,13 +7,21 @@ import json
 from starlette.responses import JSONResponse
 
 MAX_BODY = 4 << 20
-MAX_STOP = 4
+MAX_STOP = 16  # OpenAI takes 4; lm-eval's generate_until sends a task's stop strings and the EOS text
+MAX_CHOICES = 64  # sequences one request may ask for: n x prompts
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# fields that only mean something to a hosted service, accepted (type-checked) and without effect here:
+# nothing is stored, there is one service tier, the prefix cache needs no key, no abuse tracking
+EMPTY_REPLY_FIELDS = {"refusal", "annotations", "audio", "function_call"}
+INFORMATIONAL = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
+                 "safety_identifier": str}
 # fields a request may carry; any other is refused by name (never silently ignored)
-COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user",
+COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
-          "top_k", "min_p", "repetition_penalty"}  # (the last three as vLLM and llama-server take them)
+          "top_k", "min_p", "repetition_penalty"} | set(INFORMATIONAL)  # (top_k.. as vLLM and llama-server take them)
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                 "function_call", "parallel_tool_calls", "response_format", "chat_template_kwargs"}
+                 "function_call", "parallel_tool_calls", "response_format", "chat_template_kwargs",
+                 "reasoning_effort", "modalities"}
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of", "response_format"}
 
 
@@ -43,26 +51,37 @@ def unsupported(body: dict, allowed: set) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadRequest(f"unsupported field '{unknown[0]}' (sparkq serve does not implement it)", unknown[0])
-    if body.get("n") not in (None, 1):
-        raise BadRequest("n > 1 is not supported: send one request per completion", "n")
-    if body.get("best_of") not in (None, 1):
-        raise BadRequest("best_of > 1 is not supported", "best_of")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES):
+        raise BadRequest(f"'n' must be an integer in 1..{MAX_CHOICES}", "n")
+    if body.get("best_of") not in (None, n or 1):  # best_of = n: every candidate is returned
+        raise BadRequest("best_of > n is not supported (ranking candidates by log-probability): send n instead",
+                         "best_of")
+    for name, kind in INFORMATIONAL.items():
+        v = body.get(name)
+        if v is not None and not isinstance(v, kind):
+            raise BadRequest(f"'{name}' must be {'an object' if kind is dict else 'a boolean' if kind is bool else 'a string'}",
+                             name)
+    if body.get("metadata") and not all(isinstance(v, str) for v in body["metadata"].values()):
+        raise BadRequest("'metadata' must map strings to strings", "metadata")
+    if body.get("modalities") not in (None, ["text"]):
+        raise BadRequest("'modalities': only [\"text\"] is supported (no audio output)", "modalities")
+    if body.get("reasoning_effort") not in (None, *REASONING_EFFORTS):
+        raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         raise BadRequest("'functions' / 'function_call' (the deprecated form): send 'tools' / 'tool_choice'", "functions")
     if body.get("tool_choice") not in (None, "none", "auto") and not body.get("tools"):
         raise BadRequest("'tool_choice' forces a call but there are no 'tools'", "tool_choice")
-    if body.get("parallel_tool_calls") not in (None, True, False):
+    if not isinstance(body.get("parallel_tool_calls"), (bool, type(None))):
         raise BadRequest("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     ctk = body.get("chat_template_kwargs")
     if ctk is not None and (not isinstance(ctk, dict) or not all(isinstance(k, str) for k in ctk)):
         raise BadRequest("'chat_template_kwargs' must be an object (e.g. {\"enable_thinking\": false})",
                          "chat_template_kwargs")
-    if body.get("echo") not in (None, False):
-        raise BadRequest("echo is not supported", "echo")
+    if not isinstance(body.get("echo"), (bool, type(None))):
+        raise BadRequest("'echo' must be a boolean", "echo")
     if body.get("suffix") not in (None, ""):
         raise BadRequest("suffix (insertion) is not supported", "suffix")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequest("'user' must be a string", "user")
 
 
 def message_text(m, i: int) -> dict:
@@ -75,9 +94,10 @@ def message_text(m, i: int) -> dict:
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise BadRequest(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}",
                          f"messages[{i}].role")
-    allowed = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | \
+    allowed = {"role", "content", "name"} | ({"tool_calls", "reasoning_content"} if role == "assistant" else set()) | \
         ({"tool_call_id"} if role == "tool" else set())
-    extra = set(m) - allowed
+    # an earlier reply sent back as the client received it: the fields OpenAI's replies carry, empty
+    extra = {k for k in set(m) - allowed if not (role == "assistant" and k in EMPTY_REPLY_FIELDS and not m[k])}
     if extra:
         raise BadRequest(f"messages[{i}].{sorted(extra)[0]} is not supported", f"messages[{i}]")
     if isinstance(content, list):
@@ -93,6 +113,10 @@ def message_text(m, i: int) -> dict:
     if not isinstance(content, str):
         raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
     out = {"role": "system" if role == "developer" else role, "content": content}
+    if m.get("reasoning_content") is not None:  # templates that keep an earlier turn's thinking read it
+        if not isinstance(m["reasoning_content"], str):
+            raise BadRequest(f"messages[{i}].reasoning_content must be a string", f"messages[{i}].reasoning_content")
+        out["reasoning_content"] = m["reasoning_content"]
     if calls is not None:
         out["tool_calls"] = []
         for j, c in enumerate(calls if isinstance(calls, list) else [None]):

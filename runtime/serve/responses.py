@@ -13,22 +13,29 @@ from .protocol import error
 
 
 class Responses:
-    """The App's response builders (a mixin: ``self.engine``)."""
+    """The App's response builders (a mixin: ``self.engine``). A response holds one or more
+    choices (n, a batch of prompts), each an engine request with its ``index``; their events
+    arrive on one queue as (index, event)."""
 
-    def _gone(self, req, q) -> None:
-        """the client disconnected: its slot is freed before the next step, the waiter woken"""
-        if not req.done:
-            self.engine.cancel(req)
-        q.put_nowait({"gone": True})
+    def _gone(self, reqs, q) -> None:
+        """the client disconnected: the slots are freed before the next step, the waiter woken"""
+        for req in reqs:
+            if not req.done:
+                self.engine.cancel(req)
+        q.put_nowait((None, {"gone": True}))
 
     @staticmethod
-    def _usage(ev: dict) -> dict:
-        return {"prompt_tokens": ev["prompt_tokens"], "completion_tokens": ev["completion_tokens"],
-                "total_tokens": ev["prompt_tokens"] + ev["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": ev.get("cached_tokens", 0)}}
+    def _usage(finals: list, n: int) -> dict:
+        """token counts of the final events, choices in index order: a prompt counted once for its n
+        choices (as OpenAI bills n), the completions of all"""
+        first = finals[::n]
+        prompt, done = sum(f["prompt_tokens"] for f in first), sum(f["completion_tokens"] for f in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": sum(f.get("cached_tokens", 0) for f in first)}}
 
     def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict | None:
-        """OpenAI's logprobs object for the tokens of ``entries`` (the engine's logprob events)"""
+        """OpenAI's logprobs object for the tokens of ``entries`` (the engine's logprob events; an
+        echoed prompt's first token has none: null, as OpenAI gives it)"""
         if not entries:
             return None
         tok = self.engine.tok
@@ -42,7 +49,8 @@ class Responses:
         toks = [tok.decode([e["id"]]) for e in entries]
         offs = [offset + sum(len(x) for x in toks[:i]) for i in range(len(toks))]
         return {"tokens": toks, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{tok.decode([t]): lp for t, lp in e["top"]} for e in entries], "text_offset": offs}
+                "top_logprobs": [None if e["top"] is None else {tok.decode([t]): lp for t, lp in e["top"]} for e in entries],
+                "text_offset": offs}
 
     @staticmethod
     def _sse(body: dict) -> bytes:
@@ -59,23 +67,25 @@ class Responses:
         msg["content"] = content
         return tools_mod.openai_calls(calls if req.tool["parallel"] else calls[:1])
 
-    async def _collect(self, req, q, meta, chat):
-        text, lps = [], []
-        while True:
-            ev = await q.get()
+    async def _collect(self, reqs, n, q, meta, chat):
+        text = [[] for _ in reqs]
+        lps = [[] for _ in reqs]  # an echoed prompt's entries first, then the completion's
+        finals, choices = [None] * len(reqs), [None] * len(reqs)
+        while any(f is None for f in finals):
+            i, ev = await q.get()
             if "gone" in ev:
                 return None
             if "error" in ev:
                 return error(503, ev["error"], type_="server_error")
             if "delta" in ev:
-                text.append(ev["delta"])
+                text[i].append(ev["delta"])
                 continue
-            if "logprob" in ev:
-                lps.append(ev["logprob"])
+            if "logprob" in ev or "prompt_logprob" in ev:
+                lps[i].append(ev.get("logprob") or ev["prompt_logprob"])
                 continue
-            out = "".join(text)
-            choice = {"index": 0, "finish_reason": ev["finish"],
-                      "logprobs": self._logprobs(lps, chat) if req.logprobs is not None else None}
+            req, out, finals[i] = reqs[i], "".join(text[i]), ev
+            choice = {"index": i, "finish_reason": ev["finish"],
+                      "logprobs": self._logprobs(lps[i], chat) if req.logprobs is not None else None}
             if chat:
                 reasoning, content = req.split.feed(out, last=True)
                 msg = {"role": "assistant", "content": content}
@@ -87,80 +97,88 @@ class Responses:
                     choice["finish_reason"] = "tool_calls"
                 choice["message"] = msg
             else:
-                choice["text"] = out
-            return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                                 "usage": self._usage(ev)})
+                choice["text"] = (req.echo or "") + out
+            choices[i] = choice
+        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                             "usage": self._usage(finals, n)})
 
-    async def _chunks(self, req, q, meta, chat, include_usage):
+    async def _chunks(self, reqs, n, q, meta, chat, include_usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        pending = [[] for _ in reqs]  # logprob events not yet sent with a chunk
+        held = [[] for _ in reqs]  # a reply that may call tools: its content until the end
+        sent = [0] * len(reqs)  # characters of text sent (completions' text_offset)
+        echoed = [r.echo is None for r in reqs]  # an echoed prompt goes out before its choice's first text
+        finals = [None] * len(reqs)
 
-        pending: list = []  # logprob events not yet sent with a chunk
-        held: list = []  # a reply that may call tools: its content until the end
-        sent = 0  # characters of text sent (completions' text_offset)
-
-        def chunk(delta: str | None, finish=None, role=False, reasoning: str = ""):
-            nonlocal pending, sent
-            lp = self._logprobs(pending, chat, sent) if req.logprobs is not None and not role else None
+        def chunk(i, delta: str | None, finish=None, role=False, reasoning: str = ""):
+            lp = self._logprobs(pending[i], chat, sent[i]) if reqs[i].logprobs is not None and not role else None
             if lp is not None:
-                pending = []
+                pending[i] = []
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
                 if reasoning:
                     d["reasoning_content"] = reasoning
-                c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": lp}
+                c = {"index": i, "delta": d, "finish_reason": finish, "logprobs": lp}
             else:
-                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}
-            sent += len(delta or "")
+                c = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": lp}
+            sent[i] += len(delta or "")
             body = {**meta, "object": obj, "choices": [c]}
             if include_usage:
                 body["usage"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+            return self._sse(body)
 
         if chat:
-            yield chunk(None, role=True)
-        while True:
-            ev = await q.get()
+            for i in range(len(reqs)):
+                yield chunk(i, None, role=True)
+        while any(f is None for f in finals):
+            i, ev = await q.get()
             if "gone" in ev:
                 return
             if "error" in ev:
-                yield f"data: {json.dumps({'error': {'message': ev['error'], 'type': 'server_error'}})}\n\n".encode()
+                yield self._sse({"error": {"message": ev["error"], "type": "server_error"}})
                 return
-            if "logprob" in ev:
-                pending.append(ev["logprob"])
+            if "prompt_logprob" in ev:
+                pending[i].append(ev["prompt_logprob"])
                 continue
+            if not echoed[i]:  # the prompt's text (and log-probabilities) before anything of the completion
+                echoed[i] = True
+                yield chunk(i, reqs[i].echo)
+            if "logprob" in ev:
+                pending[i].append(ev["logprob"])
+                continue
+            req = reqs[i]
             if "delta" in ev:
                 if not chat:
-                    yield chunk(ev["delta"])
+                    yield chunk(i, ev["delta"])
                     continue
                 reasoning, content = req.split.feed(ev["delta"])
                 if req.tool:  # a reply that may call tools: its content is parsed at the end
-                    held.append(content)
+                    held[i].append(content)
                     content = ""
-                if reasoning or content or pending:
-                    yield chunk(content, reasoning=reasoning)
+                if reasoning or content or pending[i]:
+                    yield chunk(i, content, reasoning=reasoning)
                 continue
-            finish = ev["finish"]
+            finals[i], finish = ev, ev["finish"]
             if chat:
                 reasoning, content = req.split.feed("", last=True)
                 if req.tool:
-                    msg = {"content": "".join(held) + content}
+                    msg = {"content": "".join(held[i]) + content}
                     calls = self._calls(req, msg)
                     content = msg["content"] or ""
                     if reasoning or content:
-                        yield chunk(content, reasoning=reasoning)
+                        yield chunk(i, content, reasoning=reasoning)
                     if calls:  # one delta per call: its id, name and whole arguments
-                        for i, cl in enumerate(calls):
-                            yield self._sse({**meta, "object": obj, "choices": [{"index": 0, "finish_reason": None,
-                                             "logprobs": None, "delta": {"tool_calls": [{"index": i, **cl}]}}],
+                        for k, cl in enumerate(calls):
+                            yield self._sse({**meta, "object": obj, "choices": [{"index": i, "finish_reason": None,
+                                             "logprobs": None, "delta": {"tool_calls": [{"index": k, **cl}]}}],
                                              **({"usage": None} if include_usage else {})})
                         finish = "tool_calls"
                 elif reasoning or content:
-                    yield chunk(content, reasoning=reasoning)
-            yield chunk(None, finish)
-            if include_usage:
-                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': self._usage(ev)})}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-            return
+                    yield chunk(i, content, reasoning=reasoning)
+            yield chunk(i, None, finish)
+        if include_usage:
+            yield self._sse({**meta, "object": obj, "choices": [], "usage": self._usage(finals, n)})
+        yield b"data: [DONE]\n\n"
 
 
 async def _watch_disconnect(receive, on_gone) -> None:

@@ -6,11 +6,13 @@ here by hand so every refusal names its field). The model runs on the torch-free
 engine (engine.py) runs on its own thread, and each request's events cross to the event loop
 through an asyncio queue.
 
-Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET
+Endpoints: GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, GET
 /metrics (metrics.py), GET / (the chat page, static/index.html); streaming as server-sent events
 ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control (sampling.py),
 ``response_format`` json_object / json_schema and ``tools`` (structured.py, tools.py), logprobs and
-``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. Errors use OpenAI's shape
+``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. A response
+holds n choices per prompt (completions: a batch of prompts), each its own engine request; echo
+returns the prompt with its log-probabilities. Errors use OpenAI's shape
 {"error": {"message", "type", "param", "code"}}: 400 malformed or unsupported, 401 bad key,
 404 unknown model or route, 413 body too large, 429 queue full, 503 engine failed. A client that
 disconnects frees its slot before the next decode step.
@@ -22,6 +24,7 @@ import hmac
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -81,6 +84,7 @@ class App(Responses):
         self.defaults.update(top_k=int(gen.get("top_k") or 0) if gen.get("do_sample") else 0,
                              repetition_penalty=float(gen.get("repetition_penalty") or 1.0))
         routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/metrics", self.metrics_page, methods=["GET"]), Route("/", self.page, methods=["GET"])]
@@ -135,6 +139,14 @@ class App(Responses):
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
                                                          "owned_by": "sparkq"}]})
 
+    async def model(self, request: Request):
+        if (bad := self._auth(request)) is not None:
+            return bad
+        if request.path_params["model_id"] != self.name:
+            return error(404, f"the model '{request.path_params['model_id']}' does not exist; this server serves "
+                              f"'{self.name}'", "model", "model_not_found")
+        return JSONResponse({"id": self.name, "object": "model", "created": self.created, "owned_by": "sparkq"})
+
     async def _body(self, request: Request, allowed: set) -> dict:
         raw = b""
         async for chunk in request.stream():
@@ -160,8 +172,9 @@ class App(Responses):
         mt = body.get(max_field)
         if mt is None:  # chat: max_completion_tokens, else the older max_tokens
             mt, max_field = body.get("max_tokens"), "max_tokens"
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
-            raise BadRequest(f"'{max_field}' must be an integer >= 1", max_field)
+        least = 0 if body.get("echo") else 1  # echo: 0 returns the prompt alone (with its logprobs)
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < least):
+            raise BadRequest(f"'{max_field}' must be an integer >= {least}", max_field)
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -179,7 +192,7 @@ class App(Responses):
         if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
             raise BadRequest("'stream_options' supports only include_usage", "stream_options")
         for f in ("stream", "ignore_eos"):
-            if body.get(f) not in (None, True, False):
+            if not isinstance(body.get(f), (bool, type(None))):
                 raise BadRequest(f"'{f}' must be a boolean", f)
         bias = body.get("logit_bias") or {}
         if not isinstance(bias, dict):
@@ -214,15 +227,16 @@ class App(Responses):
     async def completions(self, request: Request):
         return await self._handle(request, chat=False)
 
-    def _prompt_ids(self, body: dict, chat: bool) -> tuple[list[int], tuple | None]:
-        """The prompt's token ids, and for a chat reply that may call tools (format, native, tools)."""
+    def _prompts(self, body: dict, chat: bool) -> list[tuple[list[int], tuple | None, str | None]]:
+        """The request's prompts (chat: one; completions: one or a batch), each as its token ids,
+        for a chat reply that may call tools (format, native, tools), and its text (echo)."""
         tok = self.engine.tok
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise BadRequest("'messages' must be a non-empty list", "messages")
             msgs = [message_text(m, i) for i, m in enumerate(msgs)]
-            kwargs = dict(body.get("chat_template_kwargs") or {})
+            kwargs = self._reasoning_effort(body.get("reasoning_effort"), dict(body.get("chat_template_kwargs") or {}))
             fmt, native = tools_mod.detect(tok.chat_template)
             tools = body.get("tools") if body.get("tool_choice") != "none" else None
             if body.get("tools") is not None:
@@ -232,19 +246,41 @@ class App(Responses):
                     kwargs["tools"] = tools
             elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):  # the generic prompt
                 msgs = _generic(msgs, tools, fmt)
-            return tok.encode_chat(msgs, **kwargs), ((fmt, native, tools) if tools else None)
+            return [(tok.encode_chat(msgs, **kwargs), (fmt, native, tools) if tools else None, None)]
         p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, str):
-            return tok.encode(p), None
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+
+        def ids_list(x) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        if isinstance(p, str) or ids_list(p):
+            p = [p]
+        if not (isinstance(p, list) and p and all(isinstance(x, str) or ids_list(x) for x in p)):
+            raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either (a batch)", "prompt")
+        out = []
+        for x in p:
+            if isinstance(x, str):
+                out.append((tok.encode(x), None, x))
+                continue
             vocab = self.engine.session.embed_rows
-            if min(p) < 0 or max(p) >= vocab:
+            if min(x) < 0 or max(x) >= vocab:
                 raise BadRequest(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-            return list(p), None
-        raise BadRequest("'prompt' must be a string, a list of token ids, or a list of one of them "
-                         "(one prompt per request)", "prompt")
+            out.append((list(x), None, tok.decode(x)))
+        return out
+
+    def _reasoning_effort(self, effort: str | None, kwargs: dict) -> dict:
+        """reasoning_effort as the template's thinking switch: "none" turns enable_thinking off, any
+        other level on (an explicit chat_template_kwargs value wins); the level itself reaches the
+        template as ``reasoning_effort``. A model whose template has no such switch takes only "none"."""
+        if effort is None:
+            return kwargs
+        tmpl = self.engine.tok.chat_template or ""
+        if "enable_thinking" in tmpl:
+            kwargs.setdefault("enable_thinking", effort != "none")
+        elif "reasoning_effort" not in tmpl and effort != "none":
+            raise BadRequest(f"reasoning_effort '{effort}': this model's chat template has no thinking switch "
+                             "(neither enable_thinking nor reasoning_effort); drop the field or send \"none\"",
+                             "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
+        return kwargs
 
     async def _handle(self, request: Request, chat: bool):
         resp = await self._respond(request, chat)
@@ -259,7 +295,13 @@ class App(Responses):
             kw = self._sampling(body, "max_completion_tokens" if chat else "max_tokens")
             rf = response_format_schema(body.get("response_format"))
             grammar = self.grammars().json_schema(*rf) if rf else None
-            ids, tool = self._prompt_ids(body, chat)  # tool: (format, native template, tools) or None
+            prompts = self._prompts(body, chat)  # [(ids, tool: (format, native template, tools) or None, text)]
+            n, echo = body.get("n") or 1, bool(body.get("echo"))
+            cap = self.engine.parallel + self.engine.max_queue
+            if n * len(prompts) > cap:
+                raise BadRequest(f"this request asks for {n * len(prompts)} sequences (n x prompts); this server holds "
+                                 f"at most {cap} at once (--parallel + --max-queue): send fewer", "n")
+            tool = prompts[0][1]
             forced = tools_mod.chosen(tool[2], body.get("tool_choice")) if tool else None
             if forced:  # "required" or a named function: a grammar of tool calls only
                 if grammar:
@@ -268,20 +310,30 @@ class App(Responses):
                 grammar = self.grammars().lark(tool[0].forced(tools_mod.call_schema(forced),
                                                                body.get("parallel_tool_calls", True) is not False),
                                                "tools")
-            kw["max_tokens"] = self.engine.check(len(ids), kw["max_tokens"])
+            limits = [self.engine.check(len(ids), kw["max_tokens"], zero=echo) for ids, _, _ in prompts]
         except BadRequest as e:
             return error(e.status, e.message, e.param, e.code, e.type)
         except RuntimeUserError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             return error(400, str(e), "messages" if chat else "prompt", code)
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        req = GenRequest(ids, kw["max_tokens"], lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev),
-                         stop=kw["stop"], ignore_eos=kw["ignore_eos"], sampling=kw["sampling"], logprobs=kw["logprobs"],
-                         constraint=grammar and self.grammars().constraint(grammar))
-        req.tool = tool and {"format": tool[0], "parallel": body.get("parallel_tool_calls", True) is not False}
+        q: asyncio.Queue = asyncio.Queue()  # (choice index, event) of every choice
+        reqs, seed = [], kw["sampling"].seed
+        for (ids, tool, text), mt in zip(prompts, limits):
+            for j in range(n):  # choice j samples as a request with seed + j would
+                i = len(reqs)
+                req = GenRequest(ids, mt, lambda ev, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ev)),
+                                 stop=kw["stop"], ignore_eos=kw["ignore_eos"],
+                                 sampling=replace(kw["sampling"], seed=seed + j) if j and seed is not None else kw["sampling"],
+                                 logprobs=kw["logprobs"], constraint=grammar and self.grammars().constraint(grammar),
+                                 echo_logprobs=kw["logprobs"] if echo and kw["logprobs"] is not None else None)
+                req.tool = tool and {"format": tool[0], "parallel": body.get("parallel_tool_calls", True) is not False}
+                # chat replies of reasoning models: <think>...</think> as reasoning_content (reasoning.py)
+                req.split = ReasoningSplitter(opened_in_prompt(self.engine.tok.decode(ids[-8:]))) if chat else None
+                req.index, req.echo = i, text if echo else None
+                reqs.append(req)
         try:
-            self.engine.submit(req)
+            self.engine.submit_many(reqs)
         except QueueFull as e:
             return error(429, f"the server is busy: {e}; retry later", code="queue_full", type_="rate_limit_exceeded")
         except RuntimeError as e:
@@ -290,14 +342,12 @@ class App(Responses):
             return error(400, str(e), "messages" if chat else "prompt", "context_length_exceeded")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "created": int(time.time()), "model": self.name}
-        if tool and not tool[1]:
+        if prompts[0][1] and not prompts[0][1][1]:
             meta["system_fingerprint"] = tools_mod.GENERIC_FINGERPRINT  # the template knows no tools
-        # chat replies of reasoning models: <think>...</think> as reasoning_content (reasoning.py)
-        req.split = ReasoningSplitter(opened_in_prompt(self.engine.tok.decode(ids[-8:]))) if chat else None
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return EventStream(self._chunks(req, q, meta, chat, usage), lambda: self._gone(req, q))
-        return Collected(self._collect(req, q, meta, chat), lambda: self._gone(req, q))
+            return EventStream(self._chunks(reqs, n, q, meta, chat, usage), lambda: self._gone(reqs, q))
+        return Collected(self._collect(reqs, n, q, meta, chat), lambda: self._gone(reqs, q))
 
 
 def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,

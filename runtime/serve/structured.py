@@ -87,7 +87,7 @@ def response_format_schema(rf) -> tuple[dict, str] | None:
     if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
         raise BadRequest("'response_format.json_schema' must be an object with a 'schema' object",
                          "response_format.json_schema")
-    if js.get("strict") not in (None, True, False):
+    if not isinstance(js.get("strict"), (bool, type(None))):
         raise BadRequest("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema.strict")
     return js.get("schema", {}), "response_format.json_schema.schema"
 
