@@ -29,12 +29,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import RuntimeUserError
 from ..sampling import Sampler, SamplingParams, logprobs, top_tokens
+from .request import Request
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
 # 64-token slice is ~0.5 s, the longest a running stream waits for a newcomer's prompt
@@ -44,44 +44,6 @@ REFINE_EXACT = 64  # a grammar's best allowed tokens whose logits are recomputed
 
 class QueueFull(Exception):
     pass
-
-
-@dataclass
-class Request:
-    """One generation: prompt ids, limits (max_tokens 0: the prompt alone) and sampling;
-    ``emit(event: dict)`` receives {"delta": text} pieces and one {"finish": reason,
-    "prompt_tokens", "completion_tokens"}."""
-    ids: list[int]
-    max_tokens: int
-    emit: object
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False  # run to max_tokens through stop tokens (benchmarks)
-    sampling: SamplingParams | None = None  # every sampling control (else temperature, top_p, seed)
-    logprobs: int | None = None  # emit each token's log-probability and this many alternatives
-    split: object = None  # the server's reasoning splitter (chat replies)
-    constraint: object = None  # a grammar's per-sequence matcher (structured.py): the allowed tokens
-    tool: object = None  # the server's tool-call parsing of this reply (tools.py)
-    index: int = 0  # the server's choice index within its response
-    echo: str | None = None  # the server's echoed prompt text (completions' echo)
-    # emit the prompt's own log-probabilities (completions' echo) with this many alternatives: one
-    # {"prompt_logprob"} event per prompt token as it is prefilled (the first: no logprob); the
-    # prompt is then prefilled whole (no kept prefix)
-    echo_logprobs: int | None = None
-    # engine state
-    cancelled: bool = False
-    done: bool = False
-    slot: int = -1
-    filled: int = 0  # prompt tokens in the cache
-    new: list[int] = field(default_factory=list)
-    sent: int = 0  # characters of the decoded text already emitted
-    sampler: object = None
-    t_submit: float = 0.0
-    t_last: float = 0.0
-    t_first: float = 0.0
-    cached: int = 0  # prompt tokens whose K/V the slot already held (the prefix cache)
 
 
 class Engine:

@@ -36,7 +36,7 @@ from ..common import DEFAULT_KV_DTYPE, check_kv_dtype
 from ..errors import RuntimeUserError
 from ..sampling import SamplingParams
 from .engine import Engine, QueueFull
-from .engine import Request as GenRequest
+from .request import Request as GenRequest
 from . import tools as tools_mod
 from .reasoning import ReasoningSplitter, opened_in_prompt
 from .responses import Collected, EventStream, Responses
