@@ -248,8 +248,9 @@ def test_batch_invariance_on_the_example(example_art):
 def _server(app):
     import uvicorn
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    from sparkq.runtime.serve.server import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)  # as sparkq serve binds it (TCP_NODELAY on its connections)
     srv = uvicorn.Server(uvicorn.Config(app.asgi, log_level="warning", access_log=False))
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
@@ -746,6 +747,72 @@ def test_what_apps_send_besides_the_request(api):
         assert explicit.usage.prompt_tokens == off.usage.prompt_tokens  # the explicit switch wins
     finally:
         e.tok.chat_template = template
+
+
+def test_the_tokenizer_over_http(api):
+    """POST /tokenize, /detokenize and GET /tokenizer_info in vLLM's shape (lm-eval's remote tokenizer
+    reads them) with llama-server's names accepted: the server's own encoding, the chat template's
+    ids, a round trip, one-line 4xx for bad bodies."""
+    url, e = api
+
+    def post(path, body):
+        return _raw(url, "POST", path, json.dumps(body).encode())
+    code, j = post("/tokenize", {"prompt": "hello there"})
+    assert code == 200 and j["tokens"] == e.tok.encode("hello there") and j["count"] == len(j["tokens"])
+    assert j["max_model_len"] == e.slot_cap
+    raw = e.tok.tok.encode("hello there", add_special_tokens=False).ids
+    assert post("/tokenize", {"prompt": "hello there", "add_special_tokens": False})[1]["tokens"] == raw
+    assert post("/tokenize", {"content": "hello there", "add_special": False, "model": "tiny"})[1]["tokens"] == raw
+    msgs = [{"role": "user", "content": "hi"}]
+    assert post("/tokenize", {"messages": msgs})[1]["tokens"] == e.tok.encode_chat(msgs)
+    code, j = post("/detokenize", {"tokens": raw})
+    assert code == 200 and j["prompt"] == j["content"] == e.tok.decode(raw)
+    code, j = _raw(url, "GET", "/tokenizer_info")
+    assert code == 200 and j["eos_token"] == e.tok.eos_token and j["chat_template"] == e.tok.chat_template
+    for path, body, status, needle in [("/tokenize", {"prompt": 3}, 400, "'prompt' (a string)"),
+                                       ("/tokenize", {"prompt": "a", "messages": msgs}, 400, "either"),
+                                       ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, 400, "boolean"),
+                                       ("/tokenize", {"prompt": "a", "model": "other"}, 404, "does not exist"),
+                                       ("/tokenize", {"text": "a"}, 400, "unsupported field 'text'"),
+                                       ("/detokenize", {"tokens": [1, -1]}, 400, "token ids")]:
+        code, j = post(path, body)
+        assert code == status and needle in j["error"]["message"], (body, j)
+
+
+def test_the_servers_connections_send_without_delay():
+    """sparkq serve's socket names IPPROTO_TCP, so asyncio sets TCP_NODELAY on every connection it
+    accepts: a response's headers and body are not held for the client's delayed ACK (that cost
+    ~40 ms per request on a kept-alive connection)."""
+    import asyncio
+
+    from sparkq.runtime.serve.server import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    seen = []
+
+    class Peer(asyncio.Protocol):
+        def connection_made(self, transport):
+            s = transport.get_extra_info("socket")
+            seen.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Peer, sock=sock)
+        _, w = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        w.close()
+        server.close()
+    asyncio.run(main())
+    assert seen and seen[0] != 0
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    with pytest.raises(Exception, match="cannot listen on 127.0.0.1"):
+        listen_socket("127.0.0.1", busy.getsockname()[1])
+    busy.close()
 
 
 def test_metrics_cors_and_the_chat_page(api):

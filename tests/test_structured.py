@@ -5,7 +5,6 @@ template families, and the chat page in a real headless browser."""
 import contextlib
 import json
 import shutil
-import socket
 import threading
 import time
 
@@ -39,11 +38,10 @@ def _serving(art, slots=4):
 
     from sparkq.runtime.lite import load
     from sparkq.runtime.serve.engine import Engine
-    from sparkq.runtime.serve.server import App
+    from sparkq.runtime.serve.server import App, listen_socket
 
     e = Engine(load(str(art), max_model_len=1024, kv_budget_mib=32, slots=slots, threads=2))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = listen_socket("127.0.0.1", 0)
     srv = uvicorn.Server(uvicorn.Config(App(e, "ex").asgi, log_level="warning", access_log=False))
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()

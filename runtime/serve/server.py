@@ -6,9 +6,9 @@ here by hand so every refusal names its field). The model runs on the torch-free
 engine (engine.py) runs on its own thread, and each request's events cross to the event loop
 through an asyncio queue.
 
-Endpoints: GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, GET
-/metrics (metrics.py), GET / (the chat page, static/index.html); streaming as server-sent events
-ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control (sampling.py),
+Endpoints: GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, POST
+/tokenize and /detokenize, GET /tokenizer_info (tokenize.py), GET /metrics (metrics.py), GET / (the
+chat page, static/index.html); streaming as server-sent events ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control (sampling.py),
 ``response_format`` json_object / json_schema and ``tools`` (structured.py, tools.py), logprobs and
 ``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. A response
 holds n choices per prompt (completions: a batch of prompts), each its own engine request; echo
@@ -41,31 +41,11 @@ from . import tools as tools_mod
 from .reasoning import ReasoningSplitter, opened_in_prompt
 from .responses import Collected, EventStream, Responses
 from .structured import response_format_schema
+from .tokenize import Tokenize
 from .protocol import CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, unsupported
 
 
-def _generic(msgs: list[dict], tools, fmt) -> list[dict]:
-    """Messages for a template without tools: the tools in a system message (tools.generic_prompt),
-    earlier calls as the format's text, results as user turns in <tool_response>"""
-    out = []
-    for m in msgs:
-        if m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
-            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + fmt.render(calls)})
-        elif m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
-        else:
-            out.append({"role": m["role"], "content": m["content"]})
-    if tools:
-        prompt = tools_mod.generic_prompt(tools, fmt)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out
-
-
-class App(Responses):
+class App(Responses, Tokenize):
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, cors_origins=()):
         self.engine, self.name, self.api_key = engine, model_name, api_key
         from .metrics import Metrics
@@ -87,6 +67,9 @@ class App(Responses):
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
                   Route("/metrics", self.metrics_page, methods=["GET"]), Route("/", self.page, methods=["GET"])]
         middleware = []
         if cors_origins:  # a web app on another origin may call the API (--cors-origin)
@@ -147,7 +130,9 @@ class App(Responses):
                               f"'{self.name}'", "model", "model_not_found")
         return JSONResponse({"id": self.name, "object": "model", "created": self.created, "owned_by": "sparkq"})
 
-    async def _body(self, request: Request, allowed: set) -> dict:
+    async def _body(self, request: Request, allowed: set, need_model: bool = True) -> dict:
+        """the JSON object of a request, its model this server's (optional where not need_model),
+        every field one of ``allowed``"""
         raw = b""
         async for chunk in request.stream():
             raw += chunk
@@ -159,7 +144,7 @@ class App(Responses):
             raise BadRequest(f"the body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
-        model = body.get("model")
+        model = body.get("model", None if need_model else self.name)
         if not isinstance(model, str):
             raise BadRequest("'model' (a string) is required", "model")
         if model != self.name:
@@ -245,7 +230,7 @@ class App(Responses):
                 if tools:
                     kwargs["tools"] = tools
             elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):  # the generic prompt
-                msgs = _generic(msgs, tools, fmt)
+                msgs = tools_mod.generic_messages(msgs, tools, fmt)
             return [(tok.encode_chat(msgs, **kwargs), (fmt, native, tools) if tools else None, None)]
         p = body.get("prompt")
 
@@ -350,23 +335,31 @@ class App(Responses):
         return Collected(self._collect(reqs, n, q, meta, chat), lambda: self._gone(reqs, q))
 
 
-def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,
-          max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print,
-          kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True, cors_origins=(), batch_tiles: bool = False) -> None:
+def listen_socket(host: str, port: int):
+    """The server's socket, bound. IPPROTO_TCP is named because asyncio sets TCP_NODELAY only on
+    sockets that say so: without it a response's headers and body (two writes) waited for the
+    client's delayed ACK, ~40 ms per request on a kept-alive connection (one-token completions of
+    the example, `python tools/keepalive.py URL MODEL`: median 52.0 -> 7.7 ms, AMD Zen 5)."""
     import socket
 
-    import uvicorn
-
-    from ..lite import load
-
-    # bind first: a taken port is a one-line error before the model loads
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
         raise RuntimeUserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+    return sock
+
+
+def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,
+          max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print,
+          kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True, cors_origins=(), batch_tiles: bool = False) -> None:
+    import uvicorn
+
+    from ..lite import load
+
+    sock = listen_socket(host, port)  # bind first: a taken port is a one-line error before the model loads
     check_kv_dtype(kv_dtype)  # before binding: a bad flag is a one-line error either way
     m = load(model_path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, slots=parallel,
              kv_dtype=kv_dtype)

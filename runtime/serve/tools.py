@@ -171,3 +171,24 @@ def generic_prompt(tools: list[dict], fmt: ToolFormat) -> str:
 def openai_calls(calls: list[dict]) -> list[dict]:
     return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}} for c in calls]
+
+
+def generic_messages(msgs: list[dict], tools, fmt) -> list[dict]:
+    """Messages for a template without tools: the tools in a system message (generic_prompt),
+    earlier calls as the format's text, results as user turns in <tool_response>"""
+    out = []
+    for m in msgs:
+        if m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + fmt.render(calls)})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        prompt = generic_prompt(tools, fmt)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
