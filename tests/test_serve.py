@@ -745,6 +745,14 @@ def test_what_apps_send_besides_the_request(api):
         explicit = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, reasoning_effort="low",
                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert explicit.usage.prompt_tokens == off.usage.prompt_tokens  # the explicit switch wins
+        # the Responses API: reasoning.effort is the same switch, the thinking a reasoning item
+        r = c.responses.create(model="tiny", input=msgs, max_output_tokens=4, temperature=0, reasoning={"effort": "low"})
+        assert r.output[0].type == "reasoning" and r.usage.input_tokens == on.usage.prompt_tokens
+        assert r.output[0].content[0].text == on.choices[0].message.model_extra["reasoning_content"]
+        raw = list(c.responses.create(model="tiny", input=msgs, max_output_tokens=4, temperature=0, stream=True,
+                                      reasoning={"effort": "low"}))
+        assert "".join(x.delta for x in raw if x.type == "response.reasoning_text.delta") == r.output[0].content[0].text
+        assert raw[-1].response.output[0].content[0].text == r.output[0].content[0].text
     finally:
         e.tok.chat_template = template
 

@@ -148,6 +148,78 @@ def test_required_tool_calls_validate_and_a_tool_result_round_trips(ex):
     assert final.choices[0].finish_reason in ("stop", "length")
 
 
+def test_the_responses_api_is_the_chat_path(ex):
+    """POST /v1/responses through the openai client: the same prompt ids, tokens and usage as the
+    equivalent chat request (instructions, message and tool-call items), function_call items from a
+    forced tool choice, text.format json_schema, the event stream (raw, and accumulated by the SDK's
+    helper) giving the non-streamed Response, and one-line refusals for what needs a store."""
+    import openai
+
+    url, e = ex
+    c = _client(url)
+    ref = c.chat.completions.create(model="ex", messages=[{"role": "system", "content": "be brief"},
+                                                            {"role": "user", "content": "hello"}], max_tokens=8)
+    r = c.responses.create(model="ex", instructions="be brief", input=[{"role": "user", "content": "hello"}],
+                           max_output_tokens=8)
+    assert r.output_text == ref.choices[0].message.content and r.usage.input_tokens == ref.usage.prompt_tokens
+    assert r.usage.output_tokens == ref.usage.completion_tokens and r.object == "response"
+    assert (r.status, r.incomplete_details and r.incomplete_details.reason) == (
+        ("incomplete", "max_output_tokens") if ref.choices[0].finish_reason == "length" else ("completed", None))
+    raw = list(c.responses.create(model="ex", instructions="be brief", input=[{"role": "user", "content": "hello"}],
+                                  max_output_tokens=8, stream=True))
+    assert raw[0].type == "response.created" and raw[-1].type in ("response.completed", "response.incomplete")
+    assert [x.sequence_number for x in raw] == list(range(1, len(raw) + 1))
+    assert "".join(x.delta for x in raw if x.type == "response.output_text.delta") == r.output_text
+    assert raw[-1].response.output_text == r.output_text
+    # tools: a forced call is a function_call item whose arguments validate; the history round-trips as
+    # the chat request with tool_calls / tool messages would
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    tools = [{"type": "function", "name": "weather", "description": "the weather", "parameters": params}]
+    r = c.responses.create(model="ex", input="weather?", tools=tools, tool_choice="required", parallel_tool_calls=False,
+                           max_output_tokens=60)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "weather"
+    jsonschema.validate(json.loads(calls[0].arguments), params)
+    with c.responses.stream(model="ex", input="weather?", tools=tools, tool_choice="required", parallel_tool_calls=False,
+                            max_output_tokens=60) as st:
+        kinds = [ev.type for ev in st]
+        final = st.get_final_response()
+    assert "response.function_call_arguments.done" in kinds
+    assert [(o.name, o.arguments) for o in final.output if o.type == "function_call"] == [(calls[0].name, calls[0].arguments)]
+    hist = [{"role": "user", "content": "weather?"}, calls[0].model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}]
+    r2 = c.responses.create(model="ex", input=hist, tools=tools, max_output_tokens=4)
+    chat_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}} for t in tools]
+    ref2 = c.chat.completions.create(model="ex", tools=chat_tools, max_tokens=4, messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].call_id, "type": "function", "function": {
+            "name": calls[0].name, "arguments": calls[0].arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"}])
+    assert r2.usage.input_tokens == ref2.usage.prompt_tokens and r2.output_text == (ref2.choices[0].message.content or "")
+    # text.format: a JSON schema, enforced; the SDK's stream helper accumulates the same text
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}
+    r = c.responses.create(model="ex", input="json", text=fmt, max_output_tokens=40)
+    jsonschema.validate(json.loads(r.output_text), schema)
+    with c.responses.stream(model="ex", input="json", text=fmt, max_output_tokens=40) as st:
+        assert st.get_final_response().output_text == r.output_text
+    for kw, needle in [(dict(previous_response_id="resp_1"), "needs responses stored"),
+                       (dict(tools=[{"type": "web_search"}]), "only function tools"),
+                       (dict(truncation="auto"), "truncation"),
+                       (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                        "only text parts"),
+                       (dict(input=[{"type": "item_reference", "id": "x"}]), "'item_reference' are not supported"),
+                       (dict(extra_body={"mirostat": 1}), "unsupported field 'mirostat'"),
+                       (dict(reasoning={"effort": "max"}), "'reasoning.effort' must be one of"),
+                       (dict(max_output_tokens=0), "'max_output_tokens' must be an integer >= 1")]:
+        kw = {"input": "hi", "max_output_tokens": 2, **kw}
+        with pytest.raises(openai.BadRequestError, match=needle):
+            c.responses.create(model="ex", **kw)
+    # hosted-service fields and reasoning.effort "none" are accepted
+    assert c.responses.create(model="ex", input="hi", max_output_tokens=2, store=False, metadata={"k": "v"},
+                              include=["reasoning.encrypted_content"], reasoning={"effort": "none"}).usage.output_tokens
+
+
 @pytest.mark.parametrize("template,text,want_content,want", [
     ("{{ tools }}<tool_call>", 'ok <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "ok",
      [("add", {"a": 1, "b": 2})]),

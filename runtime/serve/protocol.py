@@ -131,3 +131,20 @@ def message_text(m, i: int) -> dict:
     if role == "tool":
         out["tool_call_id"] = m.get("tool_call_id")
     return out
+
+
+def thinking_kwargs(effort: str | None, kwargs: dict, template: str | None) -> dict:
+    """reasoning_effort as the template's thinking switch: "none" turns enable_thinking off, any
+    other level on (an explicit chat_template_kwargs value wins); the level itself reaches the
+    template as ``reasoning_effort``. A model whose template has no such switch takes only "none"."""
+    if effort is None:
+        return kwargs
+    tmpl = template or ""
+    if "enable_thinking" in tmpl:
+        kwargs.setdefault("enable_thinking", effort != "none")
+    elif "reasoning_effort" not in tmpl and effort != "none":
+        raise BadRequest(f"reasoning_effort '{effort}': this model's chat template has no thinking switch "
+                         "(neither enable_thinking nor reasoning_effort); drop the field or send \"none\"",
+                         "reasoning_effort")
+    kwargs.setdefault("reasoning_effort", effort)
+    return kwargs

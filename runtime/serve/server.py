@@ -7,8 +7,9 @@ engine (engine.py) runs on its own thread, and each request's events cross to th
 through an asyncio queue.
 
 Endpoints: GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, POST
-/tokenize and /detokenize, GET /tokenizer_info (tokenize.py), GET /metrics (metrics.py), GET / (the
-chat page, static/index.html); streaming as server-sent events ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control (sampling.py),
+/v1/responses (oairesponses.py), POST /tokenize and /detokenize, GET /tokenizer_info (tokenize.py), GET
+/metrics (metrics.py), GET / (the chat page, static/index.html); streaming as server-sent events
+ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control (sampling.py),
 ``response_format`` json_object / json_schema and ``tools`` (structured.py, tools.py), logprobs and
 ``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. A response
 holds n choices per prompt (completions: a batch of prompts), each its own engine request; echo
@@ -42,10 +43,12 @@ from .reasoning import ReasoningSplitter, opened_in_prompt
 from .responses import Collected, EventStream, Responses
 from .structured import response_format_schema
 from .tokenize import Tokenize
-from .protocol import CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, unsupported
+from .oairesponses import ResponsesAPI
+from .protocol import (CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, thinking_kwargs,
+                       unsupported)
 
 
-class App(Responses, Tokenize):
+class App(Responses, Tokenize, ResponsesAPI):
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, cors_origins=()):
         self.engine, self.name, self.api_key = engine, model_name, api_key
         from .metrics import Metrics
@@ -67,6 +70,7 @@ class App(Responses, Tokenize):
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/responses", self.responses, methods=["POST"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
@@ -221,7 +225,8 @@ class App(Responses, Tokenize):
             if not isinstance(msgs, list) or not msgs:
                 raise BadRequest("'messages' must be a non-empty list", "messages")
             msgs = [message_text(m, i) for i, m in enumerate(msgs)]
-            kwargs = self._reasoning_effort(body.get("reasoning_effort"), dict(body.get("chat_template_kwargs") or {}))
+            kwargs = thinking_kwargs(body.get("reasoning_effort"), dict(body.get("chat_template_kwargs") or {}),
+                                     tok.chat_template)
             fmt, native = tools_mod.detect(tok.chat_template)
             tools = body.get("tools") if body.get("tool_choice") != "none" else None
             if body.get("tools") is not None:
@@ -251,22 +256,6 @@ class App(Responses, Tokenize):
             out.append((list(x), None, tok.decode(x)))
         return out
 
-    def _reasoning_effort(self, effort: str | None, kwargs: dict) -> dict:
-        """reasoning_effort as the template's thinking switch: "none" turns enable_thinking off, any
-        other level on (an explicit chat_template_kwargs value wins); the level itself reaches the
-        template as ``reasoning_effort``. A model whose template has no such switch takes only "none"."""
-        if effort is None:
-            return kwargs
-        tmpl = self.engine.tok.chat_template or ""
-        if "enable_thinking" in tmpl:
-            kwargs.setdefault("enable_thinking", effort != "none")
-        elif "reasoning_effort" not in tmpl and effort != "none":
-            raise BadRequest(f"reasoning_effort '{effort}': this model's chat template has no thinking switch "
-                             "(neither enable_thinking nor reasoning_effort); drop the field or send \"none\"",
-                             "reasoning_effort")
-        kwargs.setdefault("reasoning_effort", effort)
-        return kwargs
-
     async def _handle(self, request: Request, chat: bool):
         resp = await self._respond(request, chat)
         self.metrics.requests.labels("chat" if chat else "completions", str(getattr(resp, "status_code", 200))).inc()
@@ -277,6 +266,21 @@ class App(Responses, Tokenize):
             return bad
         try:
             body = await self._body(request, CHAT if chat else COMPLETION)
+        except BadRequest as e:
+            return error(e.status, e.message, e.param, e.code, e.type)
+        started = self._start(body, chat)
+        if not isinstance(started, tuple):
+            return started  # an error
+        reqs, n, q, meta = started
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return EventStream(self._chunks(reqs, n, q, meta, chat, usage), lambda: self._gone(reqs, q))
+        return Collected(self._collect(reqs, n, q, meta, chat), lambda: self._gone(reqs, q))
+
+    def _start(self, body: dict, chat: bool):
+        """A request body's sequences checked and queued: (engine requests, n, their event queue,
+        the response's id fields), or an error response."""
+        try:
             kw = self._sampling(body, "max_completion_tokens" if chat else "max_tokens")
             rf = response_format_schema(body.get("response_format"))
             grammar = self.grammars().json_schema(*rf) if rf else None
@@ -329,10 +333,7 @@ class App(Responses, Tokenize):
         meta = {"id": rid, "created": int(time.time()), "model": self.name}
         if prompts[0][1] and not prompts[0][1][1]:
             meta["system_fingerprint"] = tools_mod.GENERIC_FINGERPRINT  # the template knows no tools
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return EventStream(self._chunks(reqs, n, q, meta, chat, usage), lambda: self._gone(reqs, q))
-        return Collected(self._collect(reqs, n, q, meta, chat), lambda: self._gone(reqs, q))
+        return reqs, n, q, meta
 
 
 def listen_socket(host: str, port: int):
