@@ -39,6 +39,9 @@ def _templates(model):
     out.append(("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": QUESTIONS[0]}],
                                          "max_tokens": 40, "temperature": 0.8, "seed": 3, "stream": False,
                                          "tools": [tool], "tool_choice": "required"}))
+    # the Responses API (instructions, a sampled reply) beside the rest
+    out.append(("/v1/responses", {"model": model, "instructions": "Be brief.", "input": QUESTIONS[2],
+                                  "max_output_tokens": 16, "temperature": 0.7, "seed": 4, "stream": False}))
     # n seeded choices; lm-eval's loglikelihood request (a batch, echo, the prompts' logprobs)
     out.append(("/v1/completions", {"model": model, "prompt": TEXTS[1], "max_tokens": 12, "temperature": 0.9, "seed": 9,
                                     "n": 2, "stream": False}))
@@ -57,6 +60,9 @@ def _malformed(model, rng):
 
 
 def _text(r):
+    if "json" in r and "output" in r["json"]:  # a Responses API reply: its items' texts and calls
+        return json.dumps([[o.get("type"), [c.get("text") for c in o.get("content", [])], o.get("arguments")]
+                           for o in r["json"]["output"]])
     if "json" in r and len(r["json"]["choices"]) > 1:  # n choices, a batch: each one's text and logprobs
         return json.dumps([[c.get("text"), (c.get("logprobs") or {}).get("token_logprobs")] for c in r["json"]["choices"]])
     if "json" in r:
