@@ -216,6 +216,45 @@ def test_prefix_cache_reuses_prompt_positions_and_changes_no_answer(serve_art, k
         off.close()
 
 
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_a_prompt_running_in_another_slot_is_copied_not_prefilled(serve_art, kv):
+    """Two requests of one prompt admitted together (n choices; a shared system prompt): the second
+    copies the first's prompt-path positions into its slot when its prompt starts (prefix.py) and
+    prefills only the rest; every answer is the bits an engine without the prefix cache gives."""
+    import threading as th
+
+    from sparkq.runtime.serve.engine import Engine
+    on = Engine(_lite(serve_art, 3, kv_dtype=kv), prefill_slice=16)
+    off = Engine(_lite(serve_art, 3, kv_dtype=kv), prefill_slice=16, prefix_cache=False)
+    try:
+        tok = on.tok
+        base = tok.encode(PROMPTS[3])  # 90 tokens
+        jobs = [(base, 12), (base, 6), (base + tok.encode(" and more"), 8)]
+        want = [off.generate(ids, n, ignore_eos=True)["ids"] for ids, n in jobs]
+        from sparkq.runtime.serve.engine import Request
+        done, out = th.Semaphore(0), [None] * len(jobs)
+
+        def emit(i):
+            def f(ev):
+                if "finish" in ev:
+                    out[i] = ev
+                    done.release()
+            return f
+        reqs = [Request(list(ids), n, emit(i), ignore_eos=True) for i, (ids, n) in enumerate(jobs)]
+        on.submit_many(reqs)  # admitted together: nothing kept yet, so the copies happen at prefill
+        for _ in jobs:
+            done.acquire()
+        assert [r.new for r in reqs] == want
+        g = on.reuse_grid
+        shared = 89 // g * g  # all of base but the last token (whole slices where the GEMM needs them)
+        assert [o["cached_tokens"] for o in out] == [0, shared, 90 // g * g]
+        assert on.stats["prefilled"] == sum(len(ids) for ids, _ in jobs) - on.stats["cached"]
+        assert on.stats["cached"] == shared + 90 // g * g
+    finally:
+        on.close()
+        off.close()
+
+
 def test_batch_invariance_on_the_example(example_art):
     """Real text: greedy answers of the example alone and four at a time, token for token."""
     from sparkq.runtime.lite import load

@@ -18,7 +18,9 @@ next step.
 
 Prefix cache: a slot keeps the prompt it last prefilled. A newcomer takes the free slot whose
 kept prompt shares the longest prefix with its own (else the least recently used one) and
-prefills only the rest, at least its last token. Only positions the prompt path wrote are
+prefills only the rest, at least its last token; where another slot (running or free) holds a
+longer prefix when the newcomer's prompt starts, those positions are copied from it (prefix.py):
+a response's n choices, a shared system prompt or few-shot context are prefilled once. Only positions the prompt path wrote are
 reused, never the decode steps' (their products sum in another order), and the prompt path gives
 the same bits whole or continued from any position (tested), so a reused prefix changes no bit of
 the answer. On builds whose prompt GEMM depends on the slice length (AVX512-BF16: bf16 from 32
@@ -34,6 +36,7 @@ import numpy as np
 
 from ..errors import RuntimeUserError
 from ..sampling import Sampler, SamplingParams, logprobs, top_tokens
+from .prefix import copy_positions, shared_prefix
 from .request import Request
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
@@ -186,18 +189,23 @@ class Engine:
             self.running.append(r)
 
     def _reusable(self, slot: int, ids: list[int]) -> int:
-        """prompt tokens of ids whose K/V slot already holds (the last one is always prefilled:
-        its logits start the answer)"""
-        if not self.prefix_cache:
-            return 0
-        have, n = self.kept[slot]
-        n = min(n, len(ids) - 1)
-        if n <= 0:
-            return 0
-        a, b = np.asarray(have[:n]), np.asarray(ids[:n])
-        diff = np.flatnonzero(a != b)
-        n = int(diff[0]) if diff.size else n
-        return n // self.reuse_grid * self.reuse_grid
+        """prompt tokens of ids whose K/V slot already holds"""
+        return shared_prefix(*self.kept[slot], ids, self.reuse_grid) if self.prefix_cache else 0
+
+    def _share(self, r: Request) -> None:
+        """(engine thread, r at the start of its prompt) the longest prefix of r's prompt that another
+        slot's prompt path holds, copied into r's slot: n choices of one prompt, a shared system
+        prompt or few-shot context prefill it once (the same bits: prompt-path positions only)"""
+        best, src = r.filled, -1
+        for k in range(self.parallel):
+            if k != r.slot and (m := shared_prefix(*self.kept[k], r.ids, self.reuse_grid)) > best:
+                best, src = m, k
+        if src >= 0:
+            copy_positions(self.model, src, r.slot, r.filled, best)
+            with self.cv:
+                self.stats["cached"] += best - r.filled
+                r.cached = r.filled = best
+                self.kept[r.slot] = (r.ids, best)
 
     def _text(self, r: Request, last: bool = False) -> str | None:
         """The new text of r to emit (None: r hit a stop string, finished here)."""
@@ -320,6 +328,8 @@ class Engine:
                 pre = next((r for r in self.running if r.filled < len(r.ids)), None)
                 dec = [r for r in self.running if r.filled == len(r.ids) and r.new]
             if pre is not None:  # one slice of the oldest unfinished prompt
+                if self.prefix_cache and pre.filled == pre.cached and pre.echo_logprobs is None:
+                    self._share(pre)
                 a = pre.filled
                 b = min(len(pre.ids), a + self.prefill_slice)
                 echo = pre.echo_logprobs is not None

@@ -340,7 +340,7 @@ def listen_socket(host: str, port: int):
     """The server's socket, bound. IPPROTO_TCP is named because asyncio sets TCP_NODELAY only on
     sockets that say so: without it a response's headers and body (two writes) waited for the
     client's delayed ACK, ~40 ms per request on a kept-alive connection (one-token completions of
-    the example, `python tools/keepalive.py URL MODEL`: median 52.0 -> 7.7 ms, AMD Zen 5)."""
+    the example, `python tools/serveprobe.py keepalive URL MODEL`: median 52.0 -> 7.7 ms, AMD Zen 5)."""
     import socket
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
