@@ -211,7 +211,9 @@ def test_the_responses_api_is_the_chat_path(ex):
                        (dict(input=[{"type": "item_reference", "id": "x"}]), "'item_reference' are not supported"),
                        (dict(extra_body={"mirostat": 1}), "unsupported field 'mirostat'"),
                        (dict(reasoning={"effort": "max"}), "'reasoning.effort' must be one of"),
-                       (dict(max_output_tokens=0), "'max_output_tokens' must be an integer >= 1")]:
+                       (dict(max_output_tokens=0), "'max_output_tokens' must be an integer >= 1"),
+                       (dict(max_output_tokens=5000), "lower max_output_tokens to at most"),  # chat's check, renamed
+                       (dict(tools=tools, tool_choice="sometimes"), "\\{\"type\": \"function\", \"name\"\\}")]:
         kw = {"input": "hi", "max_output_tokens": 2, **kw}
         with pytest.raises(openai.BadRequestError, match=needle):
             c.responses.create(model="ex", **kw)

@@ -20,10 +20,10 @@ Prefix cache: a slot keeps the prompt it last prefilled. A newcomer takes the fr
 kept prompt shares the longest prefix with its own (else the least recently used one) and
 prefills only the rest, at least its last token; where another slot (running or free) holds a
 longer prefix when the newcomer's prompt starts, those positions are copied from it (prefix.py):
-a response's n choices, a shared system prompt or few-shot context are prefilled once. Only positions the prompt path wrote are
-reused, never the decode steps' (their products sum in another order), and the prompt path gives
-the same bits whole or continued from any position (tested), so a reused prefix changes no bit of
-the answer. On builds whose prompt GEMM depends on the slice length (AVX512-BF16: bf16 from 32
+a response's n choices, a shared system prompt or few-shot context are prefilled once. Only
+positions the prompt path wrote are reused, never the decode steps' (their products sum in
+another order), and the prompt path gives the same bits whole or continued from any position
+(tested), so a reused prefix changes no bit of the answer. On builds whose prompt GEMM depends on the slice length (AVX512-BF16: bf16 from 32
 tokens) the reuse is cut to whole slices, where a fresh prompt's slices begin.
 """
 from __future__ import annotations

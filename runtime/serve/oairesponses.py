@@ -27,6 +27,10 @@ SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequ
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens", "text",
           "reasoning", "stream", "stream_options", "include", "truncation"} | SAMPLING | set(INFORMATIONAL)
 NEEDS_STORE = {"previous_response_id", "conversation", "background", "prompt"}
+# chat's names in the chat path's errors, as a Responses request calls them (longest first)
+RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format.json_schema": "text.format", "response_format": "text.format",
+           "reasoning_effort": "reasoning.effort", "messages": "input"}
 
 
 def _new(prefix: str) -> str:
@@ -120,6 +124,8 @@ def to_chat(body: dict) -> dict:
             out["tools"].append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
                                                                                      "strict") if k in t}})
     tc = body.get("tool_choice")
+    if isinstance(tc, str) and tc not in ("auto", "none", "required"):
+        tc = {}
     if isinstance(tc, dict):
         if tc.get("type") != "function" or not isinstance(tc.get("name"), str):
             raise BadRequest("'tool_choice': \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\"}",
@@ -333,7 +339,7 @@ class ResponsesAPI:
             except BadRequest as e:
                 resp = error(e.status, e.message, e.param, e.code, e.type)
         if resp is None:
-            started = self._start(cbody, chat=True)
+            started = self._start(cbody, chat=True, names=RENAMED)
             if not isinstance(started, tuple):
                 resp = started
             else:

@@ -10,9 +10,10 @@ MAX_BODY = 4 << 20
 MAX_STOP = 16  # OpenAI takes 4; lm-eval's generate_until sends a task's stop strings and the EOS text
 MAX_CHOICES = 64  # sequences one request may ask for: n x prompts
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# an earlier reply sent back as the client received it carries these, empty
+EMPTY_REPLY_FIELDS = {"refusal", "annotations", "audio", "function_call"}
 # fields that only mean something to a hosted service, accepted (type-checked) and without effect here:
 # nothing is stored, there is one service tier, the prefix cache needs no key, no abuse tracking
-EMPTY_REPLY_FIELDS = {"refusal", "annotations", "audio", "function_call"}
 INFORMATIONAL = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
                  "safety_identifier": str}
 # fields a request may carry; any other is refused by name (never silently ignored)
@@ -60,8 +61,8 @@ def unsupported(body: dict, allowed: set) -> None:
     for name, kind in INFORMATIONAL.items():
         v = body.get(name)
         if v is not None and not isinstance(v, kind):
-            raise BadRequest(f"'{name}' must be {'an object' if kind is dict else 'a boolean' if kind is bool else 'a string'}",
-                             name)
+            what = {dict: "an object", bool: "a boolean"}.get(kind, "a string")
+            raise BadRequest(f"'{name}' must be {what}", name)
     if body.get("metadata") and not all(isinstance(v, str) for v in body["metadata"].values()):
         raise BadRequest("'metadata' must map strings to strings", "metadata")
     if body.get("modalities") not in (None, ["text"]):
@@ -96,7 +97,7 @@ def message_text(m, i: int) -> dict:
                          f"messages[{i}].role")
     allowed = {"role", "content", "name"} | ({"tool_calls", "reasoning_content"} if role == "assistant" else set()) | \
         ({"tool_call_id"} if role == "tool" else set())
-    # an earlier reply sent back as the client received it: the fields OpenAI's replies carry, empty
+    # an earlier reply sent back as the client received it (EMPTY_REPLY_FIELDS)
     extra = {k for k in set(m) - allowed if not (role == "assistant" and k in EMPTY_REPLY_FIELDS and not m[k])}
     if extra:
         raise BadRequest(f"messages[{i}].{sorted(extra)[0]} is not supported", f"messages[{i}]")
@@ -143,8 +144,7 @@ def thinking_kwargs(effort: str | None, kwargs: dict, template: str | None) -> d
     if "enable_thinking" in tmpl:
         kwargs.setdefault("enable_thinking", effort != "none")
     elif "reasoning_effort" not in tmpl and effort != "none":
-        raise BadRequest(f"reasoning_effort '{effort}': this model's chat template has no thinking switch "
-                         "(neither enable_thinking nor reasoning_effort); drop the field or send \"none\"",
-                         "reasoning_effort")
+        raise BadRequest(f"reasoning_effort '{effort}': this model's chat template has no thinking switch; drop the "
+                         "field or send \"none\"", "reasoning_effort")
     kwargs.setdefault("reasoning_effort", effort)
     return kwargs

@@ -46,6 +46,7 @@ from .tokenize import Tokenize
 from .oairesponses import ResponsesAPI
 from .protocol import (CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, thinking_kwargs,
                        unsupported)
+from .protocol import error as error_response
 
 
 class App(Responses, Tokenize, ResponsesAPI):
@@ -277,9 +278,14 @@ class App(Responses, Tokenize, ResponsesAPI):
             return EventStream(self._chunks(reqs, n, q, meta, chat, usage), lambda: self._gone(reqs, q))
         return Collected(self._collect(reqs, n, q, meta, chat), lambda: self._gone(reqs, q))
 
-    def _start(self, body: dict, chat: bool):
+    def _start(self, body: dict, chat: bool, names: dict | None = None):
         """A request body's sequences checked and queued: (engine requests, n, their event queue,
-        the response's id fields), or an error response."""
+        the response's id fields), or an error response (``names``: the fields as the client's API
+        calls them, for the messages: the Responses API's)."""
+        def error(status, message, param=None, code=None, type_="invalid_request_error"):
+            for a, b in (names or {}).items():
+                message, param = message.replace(a, b), param and param.replace(a, b)
+            return error_response(status, message, param, code, type_)
         try:
             kw = self._sampling(body, "max_completion_tokens" if chat else "max_tokens")
             rf = response_format_schema(body.get("response_format"))
