@@ -332,7 +332,7 @@ def test_openai_client_chat_and_completions_stream_and_not(api):
     assert r.usage.prompt_tokens_details.cached_tokens == (n - 1) // e.reuse_grid * e.reuse_grid
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=12, stream=True,
-                                            stream_options={"include_usage": True}))
+                                            stream_options={"include_usage": True, "include_obfuscation": False}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref["text"]
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [ref["finish"]]
@@ -395,6 +395,10 @@ def _raw(url, method, path, body=None, headers=None):
      400, "no thinking switch"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}).encode(),
      400, "modalities"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "prediction": "hi"}).encode(),
+     400, "'prediction' must be"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                 "stream_options": {"include_obfuscation": True, "x": 1}}).encode(), 400, "stream_options"),
     (json.dumps({"model": "tiny", "messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}).encode(), 400,
      "refusal is not supported"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}).encode(),
@@ -763,7 +767,7 @@ def test_what_apps_send_besides_the_request(api):
     ref = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6)
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, store=False, metadata={"run": "a"},
                                   service_tier="auto", user="u", prompt_cache_key="k", modalities=["text"],
-                                  reasoning_effort="none")
+                                  reasoning_effort="none", prediction={"type": "content", "content": "hi"})
     assert r.choices[0].message.content == ref.choices[0].message.content
     back = ref.choices[0].message.model_dump()  # role, content, refusal, annotations, audio, function_call, tool_calls
     assert {"refusal", "annotations", "audio"} <= set(back)

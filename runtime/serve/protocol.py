@@ -22,7 +22,7 @@ COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top
           "top_k", "min_p", "repetition_penalty"} | set(INFORMATIONAL)  # (top_k.. as vLLM and llama-server take them)
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                  "function_call", "parallel_tool_calls", "response_format", "chat_template_kwargs",
-                 "reasoning_effort", "modalities"}
+                 "reasoning_effort", "modalities", "prediction"}
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of", "response_format"}
 
 
@@ -65,6 +65,10 @@ def unsupported(body: dict, allowed: set) -> None:
             raise BadRequest(f"'{name}' must be {what}", name)
     if body.get("metadata") and not all(isinstance(v, str) for v in body["metadata"].values()):
         raise BadRequest("'metadata' must map strings to strings", "metadata")
+    pred = body.get("prediction")  # predicted outputs: a speed hint that changes no token; without effect here
+    if pred is not None and not (isinstance(pred, dict) and pred.get("type") == "content"
+                                 and isinstance(pred.get("content"), (str, list))):
+        raise BadRequest("'prediction' must be {\"type\": \"content\", \"content\": text}", "prediction")
     if body.get("modalities") not in (None, ["text"]):
         raise BadRequest("'modalities': only [\"text\"] is supported (no audio output)", "modalities")
     if body.get("reasoning_effort") not in (None, *REASONING_EFFORTS):

@@ -179,8 +179,9 @@ class App(Responses, Tokenize, ResponsesAPI):
         if top_p <= 0:
             raise BadRequest("'top_p' must be in (0, 1]", "top_p")
         so = body.get("stream_options")
-        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
-            raise BadRequest("'stream_options' supports only include_usage", "stream_options")
+        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage", "include_obfuscation"}):
+            raise BadRequest("'stream_options' supports include_usage (and include_obfuscation, without effect)",
+                             "stream_options")
         for f in ("stream", "ignore_eos"):
             if not isinstance(body.get(f), (bool, type(None))):
                 raise BadRequest(f"'{f}' must be a boolean", f)
