@@ -28,6 +28,7 @@ class ChatTokenizer:
         self.add_bos = tcfg.get("add_bos_token") is True
         self.bos_token = self._tok_str(tcfg.get("bos_token"))
         self.eos_token = self._tok_str(tcfg.get("eos_token"))
+        self.pad_token = self._tok_str(tcfg.get("pad_token"))
         self.bos_id = self._id_of(self.bos_token, config.get("bos_token_id"))
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         ids = {i for i in (eos if isinstance(eos, list) else [eos]) if type(i) is int}

@@ -217,7 +217,8 @@ def test_prefix_cache_reuses_prompt_positions_and_changes_no_answer(serve_art, k
 
 
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
-def test_a_prompt_running_in_another_slot_is_copied_not_prefilled(serve_art, kv):
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_a_prompt_running_in_another_slot_is_copied_not_prefilled(serve_art, kv, kernel_build):
     """Two requests of one prompt admitted together (n choices; a shared system prompt): the second
     copies the first's prompt-path positions into its slot when its prompt starts (prefix.py) and
     prefills only the rest; every answer is the bits an engine without the prefix cache gives."""
@@ -253,6 +254,37 @@ def test_a_prompt_running_in_another_slot_is_copied_not_prefilled(serve_art, kv)
     finally:
         on.close()
         off.close()
+
+
+@pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
+def test_echo_prompt_logprobs_on_every_build(serve_art, kernel_build):
+    """The engine's echo path on each C-core build: the prompt's logprobs are log-softmax of the head
+    over sq_prefill's every-position states in the engine's slices (whose products depend on the
+    build), and the completion is the bits of the same request without echo."""
+    import threading as th
+
+    from sparkq.runtime.sampling import logprobs as log_softmax
+    from sparkq.runtime.serve.engine import Request
+
+    e = _engine(serve_art, slots=1, prefill_slice=16)
+    try:
+        ids = e.tok.encode(PROMPTS[3])[:40]
+        single = _lite(serve_art, 1)
+        rows = np.concatenate([single.session.head_many(single.session.prefill(ids[a:a + 16], a, last_only=False,
+                                                                               chunk=16)) for a in range(0, 40, 16)])
+        got, done = [], th.Event()
+        r = Request(list(ids), 5, lambda ev: got.append(ev) or ("finish" in ev and done.set()), ignore_eos=True,
+                    echo_logprobs=1)
+        e.submit(r)
+        assert done.wait(60)
+        plp = [ev["prompt_logprob"] for ev in got if "prompt_logprob" in ev]
+        assert [p["id"] for p in plp] == ids and plp[0]["logprob"] is None
+        assert np.allclose([p["logprob"] for p in plp[1:]], [log_softmax(rows[i])[ids[i + 1]] for i in range(39)],
+                           atol=1e-5)
+        assert [p["top"][0][0] for p in plp[1:]] == [int(np.argmax(rows[i])) for i in range(39)]
+        assert r.new == e.generate(ids, 5, ignore_eos=True)["ids"]
+    finally:
+        e.close()
 
 
 def test_batch_invariance_on_the_example(example_art):
@@ -820,6 +852,7 @@ def test_the_tokenizer_over_http(api):
     assert code == 200 and j["prompt"] == j["content"] == e.tok.decode(raw)
     code, j = _raw(url, "GET", "/tokenizer_info")
     assert code == 200 and j["eos_token"] == e.tok.eos_token and j["chat_template"] == e.tok.chat_template
+    assert j["pad_token"] == e.tok.pad_token and j["model_max_length"] == e.slot_cap
     for path, body, status, needle in [("/tokenize", {"prompt": 3}, 400, "'prompt' (a string)"),
                                        ("/tokenize", {"prompt": "a", "messages": msgs}, 400, "either"),
                                        ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, 400, "boolean"),

@@ -235,18 +235,11 @@ class Reply:
 
 async def collect(app, req, q, body: dict, meta: dict):
     """The whole Response (a JSONResponse), or None when the client left."""
-    r, text = Reply(app, req, body, meta), []
-    while True:
-        _, ev = await q.get()
-        if "gone" in ev:
-            return None
-        if "error" in ev:
-            return error(503, ev["error"], type_="server_error")
-        if "delta" in ev:
-            text.append(ev["delta"])
-        elif "finish" in ev:
-            break
-    reasoning, content = req.split.feed("".join(text), last=True)
+    got = await app._gather([req], q)
+    if not isinstance(got, tuple):
+        return got
+    r, ((text,), _, (ev,)) = Reply(app, req, body, meta), got
+    reasoning, content = req.split.feed(text, last=True)
     content, calls = r.calls(content)
     if reasoning:
         r.output.append({"type": "reasoning", "id": _new("rs"), "summary": [], "status": "completed",

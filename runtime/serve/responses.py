@@ -67,10 +67,11 @@ class Responses:
         msg["content"] = content
         return tools_mod.openai_calls(calls if req.tool["parallel"] else calls[:1])
 
-    async def _collect(self, reqs, n, q, meta, chat):
-        text = [[] for _ in reqs]
-        lps = [[] for _ in reqs]  # an echoed prompt's entries first, then the completion's
-        finals, choices = [None] * len(reqs), [None] * len(reqs)
+    @staticmethod
+    async def _gather(reqs, q):
+        """Every request's events to its end: (texts, logprob entries — an echoed prompt's first —,
+        final events), or an error response, or None when the client left."""
+        text, lps, finals = [[] for _ in reqs], [[] for _ in reqs], [None] * len(reqs)
         while any(f is None for f in finals):
             i, ev = await q.get()
             if "gone" in ev:
@@ -79,11 +80,19 @@ class Responses:
                 return error(503, ev["error"], type_="server_error")
             if "delta" in ev:
                 text[i].append(ev["delta"])
-                continue
-            if "logprob" in ev or "prompt_logprob" in ev:
+            elif "logprob" in ev or "prompt_logprob" in ev:
                 lps[i].append(ev.get("logprob") or ev["prompt_logprob"])
-                continue
-            req, out, finals[i] = reqs[i], "".join(text[i]), ev
+            else:
+                finals[i] = ev
+        return ["".join(t) for t in text], lps, finals
+
+    async def _collect(self, reqs, n, q, meta, chat):
+        got = await self._gather(reqs, q)
+        if not isinstance(got, tuple):
+            return got
+        texts, lps, finals = got
+        choices = []
+        for i, (req, out, ev) in enumerate(zip(reqs, texts, finals)):
             choice = {"index": i, "finish_reason": ev["finish"],
                       "logprobs": self._logprobs(lps[i], chat) if req.logprobs is not None else None}
             if chat:
@@ -98,7 +107,7 @@ class Responses:
                 choice["message"] = msg
             else:
                 choice["text"] = (req.echo or "") + out
-            choices[i] = choice
+            choices.append(choice)
         return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                              "usage": self._usage(finals, n)})
 

@@ -23,10 +23,8 @@ class Tokenize:
             return bad
         tok = self.engine.tok
         return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token,
-                             "bos_token": tok.bos_token, "pad_token": tok.tcfg.get("pad_token") if isinstance(
-                                 tok.tcfg.get("pad_token"), str) else None,
-                             "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
-                             "model_max_length": self.engine.slot_cap})
+                             "bos_token": tok.bos_token, "pad_token": tok.pad_token, "add_bos_token": tok.add_bos,
+                             "chat_template": tok.chat_template, "model_max_length": self.engine.slot_cap})
 
     async def tokenize(self, request: Request):
         if (bad := self._auth(request)) is not None:
