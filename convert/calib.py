@@ -276,7 +276,10 @@ class Calibration:
         y = self.perturb(name, self.inp, y)
         i = int(layer.split(".")[1])
         if role == C.ROLE_QKV:
-            self.inp = self._attention(i, y)
+            g = None
+            if self.spec.attn_gate:  # the output gate, from the attention's input (its bf16 weight as stored)
+                g = self.inp.float() @ self._vec(f"layers.{i}.{C.ROLE_GATE}").to(torch.bfloat16).float().T
+            self.inp = self.layers.gate(self._attention(i, y), g)
         else:  # o, down: residual add
             self.x += self.layers.branch(y, i, role)  # in place: one stream alive
             self.inp = None

@@ -120,7 +120,9 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             w.put(item, v.view(torch.uint8).numpy())
                             bar.update(v.numel() * 2)
                             continue
-                        lin, calibrated = by_name[item], cal is not None and item != C.ROLE_EMBED
+                        # (the calibration forward applies the output gate from its bf16 source rows itself)
+                        lin = by_name[item]
+                        calibrated = cal is not None and item != C.ROLE_EMBED and role_of(item) != C.ROLE_GATE
                         with cal_time():
                             # emptied by gptq_factor, which frees H early and recomputes it if H needs more damping
                             hbox = [cal.hessian(item), lambda item=item: cal.hessian(item)] if calibrated else None
@@ -150,7 +152,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                                     group_size_requested=opts.group_size or recipe.group_size, calibration=cal_info or None,
                                     source=source.origin, converter={"name": "sparkq", "version": sparkq_version()},
                                     key_scaling=key_record(key_info, scaling))
-                config = dict(source.config)
+                config = recipe.with_defaults(source.config)  # the artifact describes itself: the family's defaults written out
                 config["quantization_config"] = manifest.quantization_config()
                 (tmp / C.MANIFEST_FILE).write_text(manifest.dumps())
                 (tmp / C.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -90,7 +90,7 @@ def file_order(linears: list[LinearEntry], vectors: dict, spec: ModelSpec):
     order = []
     for i in range(spec.layers):
         layer_vectors = [n for n in vectors if n.startswith(f"layers.{i}.")]
-        order += layer_vectors + [f"layers.{i}.qkv", f"layers.{i}.o", f"layers.{i}.gate_up", f"layers.{i}.down"]
+        order += layer_vectors + [f"layers.{i}.{role}" for role in spec.layer_roles]
     order += ["norm.weight"] + ([C.ROLE_EMBED] if not spec.tied else []) + [C.ROLE_LM_HEAD]
     entries = []
     for item in order:

@@ -24,18 +24,19 @@ SHAPES = {
         "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
     },
-    # The seed's hybrid: 3 sliding-window layers (theta 1e4, full rotary) per full-attention layer
-    # (theta 1e6, half rotary), a 1M-position config, tied; Qwen3-1.7B-like widths. Our stand-in
-    # for "Spark X2.5 1.7B", whose exact dimensions we do not have.
+    # The seed's model as published (PyPI vllm-spark2-5-plugin 0.1.0, Spark2_5Config's defaults): 8 query
+    # heads / 2 KV heads of 256, a head-wise output gate (g_proj), exact-GELU MLP of 6656, three
+    # sliding-window layers (512, theta 1e4, full rotary) per full layer (theta 5e6, rotary 0.25),
+    # an untied 131072-row head, the seed's 1M-position configuration; the plugin's tensor names
     "spark-x2.5-1.7b": {
-        "architectures": ["SparkForCausalLM"], "model_type": "spark", "hidden_size": 2048, "intermediate_size": 6144,
-        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 1048576,
+        "architectures": ["Spark2_5ForCausalLM"], "model_type": "spark2_5", "hidden_size": 2048,
+        "intermediate_size": 6656, "num_hidden_layers": 28, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 256, "headwise_attn_output_gate": True, "sliding_window": 512, "vocab_size": 131072,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 1048576, "tie_word_embeddings": False,
         "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 7,
-        "sliding_window": 4096, "hidden_act": "silu", "torch_dtype": "bfloat16",
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}},
+        "rope_parameters": {"full_attention": {"rope_theta": 5000000.0, "partial_rotary_factor": 0.25},
+                            "sliding_attention": {"rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+        "torch_dtype": "bfloat16",
     },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
@@ -44,6 +45,10 @@ SHAPES = {
         "max_position_embeddings": 8192, "hidden_act": "silu", "torch_dtype": "bfloat16",
     },
 }
+
+
+# shape -> the chat template (convert/data/) its checkpoint carries
+TEMPLATES = {"spark-x2.5-1.7b": "spark2_5_chat_template.jinja"}
 
 
 def _byte_tokenizer() -> str:
@@ -65,7 +70,7 @@ def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bo
     names = recipe.source_names(spec)
     shapes: dict[str, tuple[int, ...]] = {}
     for lin, (n, k) in spec.linear_shapes().items():
-        for src, rows in zip(names[lin], spec.part_rows(lin)):
+        for src, rows in zip(names[lin], spec.part_rows(lin, len(names[lin]))):
             shapes[src] = (rows, k)
     for vec, shp in spec.vector_shapes().items():
         for src in names[vec]:
@@ -92,6 +97,9 @@ def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bo
         w.close()
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         (tmp / "tokenizer.json").write_text(_byte_tokenizer())
+        if shape in TEMPLATES:  # the family's chat template (tool calls in its own form)
+            (tmp / "chat_template.jinja").write_text(
+                (Path(__file__).with_name("data") / TEMPLATES[shape]).read_text())
         size = (tmp / "model.safetensors").stat().st_size
     return {"shape": shape, "output": str(Path(out).absolute()), "tensors": len(entries), "bytes": size,
             "parameters": size // 2}

@@ -27,7 +27,9 @@ Tensor names (``L`` is the layer index)::
     <linear>.levels         int8  [N, 16]       a lut4 linear's per-row levels (see below)
 
     linears: layers.L.qkv (q|k|v rows), layers.L.o, layers.L.gate_up (gate|up rows),
-             layers.L.down, lm_head, embed (only when the embedding is not tied)
+             layers.L.down, lm_head, embed (only when the embedding is not tied);
+             layers.L.gate in a model with an attention output gate (Spark2_5's g_proj:
+             rows [heads * width, hidden], width 1 per head or head_dim per channel)
     norms:   layers.L.attn_norm, layers.L.mlp_norm, norm
     _pad.I   uint8 [n]  alignment padding between tensors (ignored by readers)
 
@@ -88,9 +90,10 @@ TOKENIZER_FILES = (
 # Roles of linears in the artifact.
 ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN = "qkv", "o", "gate_up", "down"
 ROLE_LM_HEAD, ROLE_EMBED = "lm_head", "embed"
-LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)
+ROLE_GATE = "gate"  # the attention output gate's linear (ModelSpec.attn_gate), only where the family has one
+LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)  # every layer's
 HEAD_ROLES = (ROLE_LM_HEAD, ROLE_EMBED)  # the (tied) embedding/head
-ROLES = LAYER_LINEARS + HEAD_ROLES
+ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES
 LAYER_NORMS = ("attn_norm", "mlp_norm")
 
 KIND_INT4 = "int4"

@@ -33,9 +33,31 @@ class Recipe:
     head_group_size: int | None = None  # int4 group size for lm_head/embed only (None: as the body)
     features: tuple = ()  # sorted (name, value) pairs of the recipe's [features] table (FEATURES)
     path: str = ""
+    # [config] table: the family's config defaults (what its config class fills in when a field is
+    # absent; ``layer_types_cycle`` repeats over the layers) and, when ``known`` lists the family's
+    # fields, every other field of a config is refused by name (COMMON_CONFIG_KEYS aside)
+    config_defaults: tuple = ()
+    config_known: tuple[str, ...] = ()
 
     def feature(self, name: str):
         return dict(self.features).get(name, FEATURES[name])
+
+    def with_defaults(self, cfg: dict) -> dict:
+        """cfg with the family's defaults for the fields it lacks; an unknown field refused."""
+        if self.config_known:
+            extra = sorted(set(cfg) - set(self.config_known) - COMMON_CONFIG_KEYS)
+            if extra:
+                raise SpecError(f"config.json: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not a "
+                                f"{self.family} field sparkq implements; a config that needs "
+                                f"{'it' if len(extra) == 1 else 'them'} is another model (write a recipe, --recipe FILE)")
+        out = dict(cfg)
+        defaults = dict(self.config_defaults)
+        cycle = defaults.pop("layer_types_cycle", None)
+        for k, v in defaults.items():
+            out.setdefault(k, v)
+        if cycle and "layer_types" not in out and type(out.get("num_hidden_layers")) is int:
+            out["layer_types"] = [cycle[i % len(cycle)] for i in range(out["num_hidden_layers"])]
+        return out
 
     def layer_sources(self, role: str, i: int) -> list[str]:
         v = self.layer_names[role]
@@ -48,7 +70,7 @@ class Recipe:
         fusion order; fused vectors such as the qkv bias are concatenated)."""
         out: dict[str, list[str]] = {}
         for i in range(spec.layers):
-            for role in C.LAYER_LINEARS:
+            for role in spec.layer_roles:
                 out[f"layers.{i}.{role}"] = self.layer_sources(role, i)
             for role in spec.layer_norms:
                 out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, i)
@@ -70,18 +92,44 @@ FEATURES = {
     "norm_offset": False,     # RMSNorm scales by (1 + w), computed in fp32 (Gemma)
     "sandwich_norms": False,  # extra norms after attention and after the MLP (Gemma3)
     "embed_scale": False,     # embeddings multiplied by sqrt(hidden) (Gemma)
-    "act": "silu",            # MLP gate activation: silu | gelu_tanh
+    "act": "silu",            # MLP gate activation: silu | gelu_tanh | gelu (exact, erf)
     "pre_norms": True,        # norms before attention and the MLP (OLMo2 has only the sandwich's after)
     "qk_norm_full": False,    # q_norm / k_norm over all heads' q and k, before the split into heads (OLMo2)
+    # an output gate on attention: sigmoid of the `gate` linear (from the attention's normed input)
+    # times each head's output before o; "head": one scalar per query head (Spark2_5's g_proj, on
+    # where the config's headwise_attn_output_gate is), "channel": one per output channel
+    "attn_gate": "none",
 }
+ACTS = ("silu", "gelu_tanh", "gelu")
+GATES = ("none", "head", "channel")
+
+# fields every transformers config may carry (PretrainedConfig's own), never refused
+COMMON_CONFIG_KEYS = frozenset({
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
+    "pad_token_id", "tie_word_embeddings", "use_cache", "initializer_range", "attention_dropout", "name_or_path",
+    "_name_or_path", "return_dict", "output_hidden_states", "output_attentions", "chunk_size_feed_forward",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder", "problem_type",
+    "quantization_config", "auto_map", "id2label", "label2id", "task_specific_params", "finetuning_task",
+    "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "cross_attention_hidden_size",
+    "pruned_heads", "torchscript", "use_bfloat16", "tf_legacy_loss",
+})
 
 
 def _features(d: dict, path: str) -> tuple:
     if not isinstance(d, dict) or any(k not in FEATURES for k in d):
         raise SpecError(f"recipe {path}: unknown [features] {sorted(set(d) - set(FEATURES))}; known: {', '.join(FEATURES)}")
-    if d.get("act", "silu") not in ("silu", "gelu_tanh"):
-        raise SpecError(f"recipe {path}: act must be silu or gelu_tanh")
+    if d.get("act", "silu") not in ACTS:
+        raise SpecError(f"recipe {path}: act must be one of {', '.join(ACTS)}")
+    if d.get("attn_gate", "none") not in GATES:
+        raise SpecError(f"recipe {path}: attn_gate must be one of {', '.join(GATES)}")
     return tuple(sorted(d.items()))
+
+
+def _config_table(d, path: str) -> tuple[tuple, tuple[str, ...]]:
+    if not isinstance(d, dict) or not isinstance(d.get("defaults", {}), dict) \
+            or not isinstance(d.get("known", []), list):
+        raise SpecError(f"recipe {path}: [config] holds `known` (a list of field names) and [config.defaults]")
+    return tuple(sorted((k, v) for k, v in d.get("defaults", {}).items())), tuple(d.get("known", []))
 
 
 def _group_size(v, path: str, key: str) -> int | None:
@@ -112,6 +160,8 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             head_group_size=_group_size(q.get("head_group_size"), path, "head_group_size"),
             features=_features(d.get("features", {}), path),
             path=path,
+            config_defaults=_config_table(d.get("config", {}), path)[0],
+            config_known=_config_table(d.get("config", {}), path)[1],
         )
     except (KeyError, TypeError, ValueError) as e:
         raise SpecError(f"recipe {path}: missing or bad field {e}; see recipes/llama.toml for the schema") from None

@@ -46,6 +46,14 @@ class ModelSpec:
     logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
     nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3)
     original_max_position: int | None = None  # the config's original_max_position_embeddings (LongRoPE)
+    # the attention output gate's width per query head (the `gate` linear has heads * attn_gate
+    # rows): 0 none, 1 one scalar per head (Spark2_5), head_dim one per channel (Qwen3-Next style)
+    attn_gate: int = 0
+
+    @property
+    def layer_roles(self) -> tuple[str, ...]:
+        """Each layer's linears, in the order a layer runs them (the gate reads the attention's input)."""
+        return ((C.ROLE_GATE,) if self.attn_gate else ()) + C.LAYER_LINEARS
 
     @property
     def embed_mult(self) -> float | None:
@@ -90,12 +98,13 @@ class ModelSpec:
 
     @classmethod
     def from_recipe(cls, cfg: dict, recipe: "Recipe") -> "ModelSpec":
-        return cls.from_config(cfg, recipe.family, **{k: recipe.feature(k) for k in FEATURES})
+        return cls.from_config(recipe.with_defaults(cfg), recipe.family, **{k: recipe.feature(k) for k in FEATURES})
 
     @classmethod
     def from_config(cls, cfg: dict, family: str = "llama", *, qk_norm: bool = False, qkv_bias: bool = False,
                     norm_offset: bool = False, sandwich_norms: bool = False, embed_scale: bool = False,
-                    act: str = "silu", pre_norms: bool = True, qk_norm_full: bool = False) -> "ModelSpec":
+                    act: str = "silu", pre_norms: bool = True, qk_norm_full: bool = False,
+                    attn_gate: str = "none") -> "ModelSpec":
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
@@ -139,6 +148,7 @@ class ModelSpec:
                 nope_layers=_nope_layers(cfg),
                 original_max_position=int(cfg["original_max_position_embeddings"])
                 if cfg.get("original_max_position_embeddings") else None,
+                attn_gate=_gate_width(cfg, attn_gate),
             )
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
@@ -191,6 +201,8 @@ class ModelSpec:
         """Artifact linear name -> (N, K)."""
         out = {}
         for i in range(self.layers):
+            if self.attn_gate:
+                out[f"layers.{i}.gate"] = (self.heads * self.attn_gate, self.hidden)
             out[f"layers.{i}.qkv"] = (self.q_dim + 2 * self.kv_dim, self.hidden)
             out[f"layers.{i}.o"] = (self.hidden, self.q_dim)
             out[f"layers.{i}.gate_up"] = (2 * self.intermediate, self.hidden)
@@ -229,7 +241,10 @@ class ModelSpec:
         return out
 
 
-ACTS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+ACTS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu",)}
+# the expert count of mixture-of-experts MLPs (each family's name for it): a positive one is refused,
+# sparkq runs dense MLPs (a dense config may still carry num_experts_per_tok and the like: Granite 4.0)
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
@@ -251,11 +266,22 @@ def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
     if types & {"mamba", "linear_attention"}:
         raise SpecError("config.json: layer_types has mamba layers (a hybrid state-space model): not implemented; "
                         "sparkq runs the configs whose layers are all attention")
-    if cfg.get("num_local_experts"):
-        raise SpecError(f"config.json: num_local_experts={cfg['num_local_experts']} (mixture-of-experts MLPs) is "
-                        "not implemented; sparkq runs dense MLPs")
+    moe = next((f for f in MOE_FIELDS if cfg.get(f)), None)
+    if moe:
+        raise SpecError(f"config.json: {moe}={cfg[moe]} (mixture-of-experts MLPs) is not implemented; sparkq runs "
+                        "dense MLPs")
     if cfg.get("use_bidirectional_attention"):
         raise SpecError("config.json: use_bidirectional_attention=true (an encoder) is not implemented")
+
+
+def _gate_width(cfg: dict, gate: str) -> int:
+    """ModelSpec.attn_gate from the recipe's attn_gate feature and the config (Spark2_5's
+    headwise_attn_output_gate switches its gate off when false)."""
+    if gate == "none" or cfg.get("headwise_attn_output_gate", True) is False:
+        return 0
+    if not isinstance(cfg.get("headwise_attn_output_gate", True), bool):
+        raise SpecError("config.json: headwise_attn_output_gate must be true or false")
+    return 1 if gate == "head" else int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 
 def _layer_types(cfg: dict) -> tuple[str, ...]:

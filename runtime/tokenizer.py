@@ -98,11 +98,12 @@ class ChatTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
         try:
-            # the variables transformers' apply_chat_template provides (tools and documents unset)
+            # the variables transformers' apply_chat_template provides (tools and documents unset unless passed)
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                **{k: v for k, v in {**self.template_kwargs, **template_kwargs}.items() if k != "messages"})
+                **{"tools": None, "documents": None, **{k: v for k, v in {**self.template_kwargs, **template_kwargs}.items()
+                                                        if k != "messages"}})
         except jinja2.UndefinedError as e:
             raise RuntimeUserError(f"chat template uses a variable sparkq does not provide ({e}); "
                                    "fix the template or run without --chat") from None

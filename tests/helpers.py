@@ -149,3 +149,20 @@ def kernel_builds(*builds, slow=()):
         marks = [pytest.mark.skip(reason=f"this CPU cannot run the {b} build (lacks {', '.join(lacks)})")] if lacks else []
         out.append(pytest.param(b, id=b, marks=marks + ([pytest.mark.slow] if b in slow else [])))
     return out
+
+
+def assert_batched_step_is_single(art, prompts, max_model_len=64):
+    """The server's batched decode step (sq_step_many) over the prompts, each in its own slot, gives
+    each sequence the single step's bits (token 7 + i after prompt i)."""
+    import numpy as np
+
+    from sparkq.runtime.lite import load as load_lite
+    batch, single = (load_lite(str(art), max_model_len=max_model_len, kv_budget_mib=4, slots=n)
+                     for n in (len(prompts), 1))
+    offs = [i * batch.slot_elems for i in range(len(prompts))]
+    for p, o in zip(prompts, offs):
+        batch.session.prefill(p, 0, kvoff=o)
+    got = batch.session.step_many([7 + i for i in range(len(prompts))], [len(p) for p in prompts], offs)
+    for i, p in enumerate(prompts):
+        single.prefill(p)
+        assert np.array_equal(got[i], single.step(7 + i, len(p))), i

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import dequant_reference, kernel_builds, make_llama
+from helpers import assert_batched_step_is_single, dequant_reference, kernel_builds, make_llama
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats import Artifact
 from sparkq.runtime import load
@@ -130,7 +130,7 @@ def test_unknown_architecture_lists_supported(tmp_path):
     p = run_cli("spark-convert", src, tmp_path / "o")
     assert p.returncode == 2
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
-                 "SparkForCausalLM", "--recipe"):
+                 "Spark2_5ForCausalLM", "--recipe"):
         assert arch in p.stderr, p.stderr
 
 
@@ -204,18 +204,8 @@ def test_family_logits_over_200_positions_within_2_percent(fam, tmp_path):
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
 def test_family_batched_step_is_the_single_step(fam, kernel_build, family):
     """The server's batched decode step (sq_step_many) gives each sequence the single step's bits."""
-    from sparkq.runtime.lite import load as load_lite
-
     _, out, seq, _, _ = family(fam)
-    batch, single = (load_lite(str(out), max_model_len=64, kv_budget_mib=4, slots=n) for n in (3, 1))
-    prompts = [seq[:9], seq[3:20], seq[:4]]
-    offs = [i * batch.slot_elems for i in range(3)]
-    for p, o in zip(prompts, offs):
-        batch.session.prefill(p, 0, kvoff=o)
-    got = batch.session.step_many([7, 8, 9], [len(p) for p in prompts], offs)
-    for i, p in enumerate(prompts):
-        single.prefill(p)
-        assert np.array_equal(got[i], single.step(7 + i, len(p))), (fam, i)
+    assert_batched_step_is_single(out, [seq[:9], seq[3:20], seq[:4]])
 
 
 REFUSALS = {  # family -> (config edit, the field the one-line error names)

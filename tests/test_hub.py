@@ -94,8 +94,12 @@ def test_second_variant_pinned_revision_and_missing_variant(hub, tiny_tied, tmp_
     assert json.loads(b.stdout)["revision"] == "exp" and "exp" in hub.repos["me/multi"].branches
 
 
-def test_hub_source_for_conversion(hub, tiny_tied, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "spark2_5"])
+def test_hub_source_for_conversion(hub, tiny_tied, tmp_path, family):
     # put a plain HF checkpoint on the fake hub with the real client, then convert it by repo id
+    if family == "spark2_5":
+        from test_spark2_5 import make_spark
+        tiny_tied = make_spark(tmp_path / "spark")
     code = f"""
 from huggingface_hub import HfApi
 api = HfApi()

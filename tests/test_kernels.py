@@ -648,3 +648,27 @@ def test_failed_workspace_allocation_frees_what_it_took():
     for _ in range(400):
         assert not lib.sq_work_new(ctypes.byref(m))
     assert rss_kib()["RssAnon"] - before < 4096, (before, rss_kib()["RssAnon"])
+
+
+@pytest.mark.parametrize("build", kernel_builds())
+def test_glu_activations_match_their_definitions(build):
+    """Each build's GLU (the steps' pointwise act(gate) * up: SiLU, GELU-tanh, exact GELU) against
+    float64 definitions; the SIMD exact GELU's erf (Abramowitz-Stegun 7.1.26, 1.5e-7) lanes and the
+    scalar tail (erff) both covered, tails of +-40 where exp(-z^2) underflows included."""
+    import math
+    lib = _lib(build)
+    I = 4099  # SIMD lanes and a scalar tail
+    g = torch.cat([torch.linspace(-40, 40, 2000), torch.randn(I - 2000, generator=torch.Generator().manual_seed(3)) * 3])
+    u = torch.randn(I, generator=torch.Generator().manual_seed(4))
+    gu = torch.cat([g, u]).float().contiguous()
+    gd, ud = g.double(), u.double()
+    want = {0: gd / (1 + torch.exp(-gd)) * ud,
+            1: 0.5 * gd * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gd + 0.044715 * gd ** 3))) * ud,
+            2: 0.5 * gd * (1 + torch.erf(gd / math.sqrt(2))) * ud}
+    for act, ref in want.items():
+        out = torch.empty(I)
+        assert lib.sq_glu(act, gu.data_ptr(), I, out.data_ptr()) == 0
+        # relative 2e-5, plus fp32's cancellation in 1 + erf / 1 + tanh where the result is tiny
+        bound = 2e-5 * ref.abs() + 1e-6 * (gd.abs() + 1) * ud.abs()
+        assert ((out.double() - ref).abs() <= bound).all(), (act, ((out.double() - ref).abs() / bound).max())
+    assert lib.sq_glu(3, gu.data_ptr(), I, torch.empty(I).data_ptr()) == -1

@@ -33,14 +33,14 @@ ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @contextlib.contextmanager
-def _serving(art, slots=4):
+def _serving(art, slots=4, max_model_len=1024):
     import uvicorn
 
     from sparkq.runtime.lite import load
     from sparkq.runtime.serve.engine import Engine
     from sparkq.runtime.serve.server import App, listen_socket
 
-    e = Engine(load(str(art), max_model_len=1024, kv_budget_mib=32, slots=slots, threads=2))
+    e = Engine(load(str(art), max_model_len=max_model_len, kv_budget_mib=32, slots=slots, threads=2))
     sock = listen_socket("127.0.0.1", 0)
     srv = uvicorn.Server(uvicorn.Config(App(e, "ex").asgi, log_level="warning", access_log=False))
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -251,10 +251,10 @@ def test_forced_tool_grammars_compile_for_every_format(example_art):
 
     m = load(str(example_art), max_model_len=64, kv_budget_mib=2)
     g = Grammars(m.tokenizer, m.session.vocab)
-    for template in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>"):
+    for template in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<arg_key>"):
         fmt, _ = tools.detect(template)
         for parallel in (True, False):
-            assert g.lark(fmt.forced(tools.call_schema(TOOLS), parallel), "tools")
+            assert g.lark(fmt.forced(TOOLS, parallel), "tools")
 
 
 def _chromium():

@@ -217,9 +217,10 @@ def main(work: str = "work", corpus: str = "../shared/corpus/wikitext2-valid.txt
           "", "### Memory", ""]
     L += mem_table(res["big_memory"])
     L += ["", "### Speed", "", format_bench(res["big_bench"]).replace("\n  ", "\n"), ""]
-    L += ["## Spark-like hybrid, 1.7B shape (synthetic; 1M-position config, sliding/full layers)", "",
-          "21 sliding-window layers (theta 1e4, full rotary 128) and 7 full-attention layers (theta 1e6, "
-          "partial rotary 64): two RoPE tables, one per (theta, rotary dim), each shared by its layers.", ""]
+    L += ["## Spark2_5, the seed's model at its published shape (synthetic; 1M-position config)", "",
+          "21 sliding-window layers (window 512, theta 1e4, full rotary 256) and 7 full-attention layers (theta 5e6, "
+          "partial rotary 64): two RoPE tables, one per (theta, rotary dim), each shared by its layers. The seed's "
+          "other tables: docs/performance.md \"The seed's model\" (tools/seedbench.py).", ""]
     L += mem_table(res["hybrid_memory"])
     a, b = res["hybrid_memory"].values()
     L += ["", f"RoPE tables: {a['ledger']['categories']['rope tables']['bytes'] / 2**20:.1f} MiB at max_model_len vs "

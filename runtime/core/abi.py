@@ -12,7 +12,7 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 12
+ABI = 13
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -24,13 +24,13 @@ class SqLinear(ctypes.Structure):
 class SqLayer(ctypes.Structure):
     _fields_ = [("qkv", SqLinear), ("o", SqLinear), ("gate_up", SqLinear), ("down", SqLinear)] + [
         (n, _P) for n in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "cos", "sin",
-                          "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I)]
+                          "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I), ("gate", SqLinear)]
 
 
 class SqModel(ctypes.Structure):
     _fields_ = [(n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "cap", "act",
                                   "norm_offset", "refine_top", "kv_int8", "qk_norm_full")] + [
-        (n, _D) for n in ("eps", "attn_scale", "embed_mult", "res_mult")] + [
+        (n, _D) for n in ("eps", "attn_scale", "embed_mult", "res_mult")] + [("gate_width", _I)] + [
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)]
 
 
@@ -70,6 +70,7 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_lut_fit": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _P]),
     "sq_clip_search": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]),
     "sq_gram_bf16": (ctypes.c_int, [_P, _I, _I, _P]),
+    "sq_glu": (ctypes.c_int, [_I, _P, _I, _P]),
 }
 
 

@@ -32,6 +32,8 @@ BATCH_TILES_MIN_M = 16
 # (and, on AVX512-BF16 CPUs, dequantizes it once: 512 against 256 tokens, pp512 at the 1.7B
 # shape 251 vs 239 tok/s; docs/performance.md)
 PREFILL_CHUNK = 512
+# ModelSpec.act -> sq_model.act (csrc/sq_abi.h)
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 
 @dataclass
@@ -98,6 +100,8 @@ class Session:
                 qkv = CLinear(**{**qkv.__dict__, "bias": vectors[f"layers.{i}.qkv.bias"]})
             L.qkv = linear_struct(lib, qkv)
             L.o, L.gate_up, L.down = (linear_struct(lib, linears[f"layers.{i}.{p}"]) for p in ("o", "gate_up", "down"))
+            if spec.attn_gate:
+                L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
             for f in abi.LAYER_NORMS:
                 setattr(L, f, ptr(vectors.get(f"layers.{i}.{f}.weight")))
             _, rot, window = spec.layer_attention(i)
@@ -110,7 +114,8 @@ class Session:
         m = self.m = abi.SqModel()
         m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim = spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
         m.inter, m.vocab, m.cap = spec.intermediate, head.n, cap
-        m.act = 0 if spec.act == "silu" else 1
+        m.act = ACT_CODES[spec.act]
+        m.gate_width = spec.attn_gate
         m.norm_offset = int(bool(spec.norm_offset))
         # the top logits are recomputed exactly (a split head: from both planes), as the torch
         # runtime's Model._refine_top / _refine_split do

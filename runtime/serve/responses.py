@@ -58,13 +58,13 @@ class Responses:
 
     @staticmethod
     def _calls(req, msg: dict) -> list[dict] | None:
-        """The reply's tool calls (OpenAI's form) parsed from its content, which keeps the rest"""
+        """The reply's tool calls (OpenAI's form) parsed from its content, which keeps the rest (less
+        any calls the format drops: Spark2_5's of unknown functions)"""
         if not req.tool:
             return None
-        content, calls = req.tool["format"].parse(msg["content"])
+        msg["content"], calls = req.tool["format"].parse(msg["content"])
         if not calls:
             return None
-        msg["content"] = content
         return tools_mod.openai_calls(calls if req.tool["parallel"] else calls[:1])
 
     @staticmethod

@@ -229,10 +229,10 @@ class App(Responses, Tokenize, ResponsesAPI):
             msgs = [message_text(m, i) for i, m in enumerate(msgs)]
             kwargs = thinking_kwargs(body.get("reasoning_effort"), dict(body.get("chat_template_kwargs") or {}),
                                      tok.chat_template)
-            fmt, native = tools_mod.detect(tok.chat_template)
             tools = body.get("tools") if body.get("tool_choice") != "none" else None
             if body.get("tools") is not None:
                 tools_mod.check_tools(body["tools"])
+            fmt, native = tools_mod.detect(tok.chat_template, tools)
             if native:  # the template renders tools, calls and results itself
                 if tools:
                     kwargs["tools"] = tools
@@ -303,8 +303,7 @@ class App(Responses, Tokenize, ResponsesAPI):
                 if grammar:
                     raise BadRequest("'response_format' and a tool_choice that forces a call exclude each other",
                                      "tool_choice")
-                grammar = self.grammars().lark(tool[0].forced(tools_mod.call_schema(forced),
-                                                               body.get("parallel_tool_calls", True) is not False),
+                grammar = self.grammars().lark(tool[0].forced(forced, body.get("parallel_tool_calls", True) is not False),
                                                "tools")
             limits = [self.engine.check(len(ids), kw["max_tokens"], zero=echo) for ids, _, _ in prompts]
         except BadRequest as e:

@@ -5,7 +5,10 @@ arguments that validate.
 
 Families, by what the template writes: Hermes / Qwen / Granite / SmolLM3 (``<tool_call>{json}
 </tool_call>``, a JSON object or list inside), Mistral (``[TOOL_CALLS][...]``), Llama 3.x (the reply
-is a JSON object, after ``<|python_tag|>`` or alone), Phi-4-mini (``<|tool_call|>[...]<|/tool_call|>``).
+is a JSON object, after ``<|python_tag|>`` or alone), Phi-4-mini (``<|tool_call|>[...]<|/tool_call|>``),
+Spark2_5 (``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` lines: each value
+text read by its parameter's schema type, as vllm-spark2-5-plugin's ``spark25`` parser reads it).
+A format object is made per request (``detect``) and holds the request's tools.
 A template that never mentions tools gets a generic prompt in a system message (as llama-server
 does) asking for the Hermes form; the response says so in ``system_fingerprint``.
 """
@@ -24,6 +27,9 @@ class ToolFormat:
     name = "hermes"
     open, close = "<tool_call>", "</tool_call>"
 
+    def __init__(self, tools: list[dict] | None = None):
+        self.tools = tools or []  # the request's (checked) tools
+
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """(the text outside tool calls or None, [{"name", "arguments"}]) of a reply"""
         calls, rest, pos = [], [], 0
@@ -38,10 +44,11 @@ class ToolFormat:
         content = "".join(rest).strip()
         return (content or None) if calls else text, calls
 
-    def forced(self, call_schema: dict, parallel: bool) -> str:
-        """A Lark grammar (llguidance) of replies that are tool calls only"""
+    def forced(self, functions: list[dict], parallel: bool) -> str:
+        """A Lark grammar (llguidance) of replies that are tool calls of ``functions`` only"""
         one = f'"{self.open}\\n" call "\\n{self.close}"'
-        return f"start: {one}" + (f' ("\\n" {one})*' if parallel else "") + f"\ncall: %json {json.dumps(call_schema)}"
+        return f"start: {one}" + (f' ("\\n" {one})*' if parallel else "") + \
+            f"\ncall: %json {json.dumps(call_schema(functions))}"
 
     def render(self, calls: list[dict]) -> str:
         """an assistant's earlier tool calls as this format writes them (the generic prompt's history)"""
@@ -58,8 +65,8 @@ class MistralFormat(ToolFormat):
         calls = _calls(text[i + len("[TOOL_CALLS]"):].strip())
         return (text[:i].strip() or None, calls) if calls else (text, [])
 
-    def forced(self, call_schema, parallel):
-        items = {"type": "array", "items": call_schema, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    def forced(self, functions, parallel):
+        items = {"type": "array", "items": call_schema(functions), "minItems": 1, **({} if parallel else {"maxItems": 1})}
         return f'start: "[TOOL_CALLS]" calls\ncalls: %json {json.dumps(items)}'
 
 
@@ -76,10 +83,139 @@ class Llama3Format(ToolFormat):
         calls = _calls(body) if body.startswith("{") else None
         return (None, calls) if calls else (text, [])
 
-    def forced(self, call_schema, parallel):
+    def forced(self, functions, parallel):
         # Llama 3.x writes {"name": ..., "parameters": {...}}
-        s = json.loads(json.dumps(call_schema).replace('"arguments"', '"parameters"'))
+        s = json.loads(json.dumps(call_schema(functions)).replace('"arguments"', '"parameters"'))
         return f"start: call\ncall: %json {json.dumps(s)}"
+
+
+class Spark25Format(ToolFormat):
+    """Spark2_5's calls (GLM-4.5's form), as vllm-spark2-5-plugin's ``spark25`` parser reads them:
+
+        <tool_call>get_weather
+        <arg_key>city</arg_key><arg_value>Paris</arg_value>
+        <arg_key>days</arg_key><arg_value>3</arg_value>
+        </tool_call>
+
+    Each value is text, read by its parameter's schema ``type`` (``spark_value``). A call of a
+    function not among the request's tools is dropped, reply text and all; one without a name, or
+    without its closing tag, stays text."""
+    name = "spark25"
+    ARG = re.compile(r"<arg_key>(.*?)</arg_key><arg_value>(.*?)</arg_value>", re.S)
+
+    def parse(self, text):
+        calls, rest, pos = [], [], 0
+        while (start := text.find(self.open, pos)) >= 0:
+            end = text.find(self.close, start + len(self.open))
+            if end < 0:
+                break
+            end += len(self.close)
+            rest.append(text[pos:start])
+            body = text[start + len(self.open):end - len(self.close)]
+            name = body.split("<arg_key>", 1)[0].strip()
+            props = self._properties(name)
+            if not name:
+                rest.append(text[start:end])
+            elif props is not None:
+                calls.append({"name": name, "arguments": {k: spark_value(v, _param_type(props.get(k)))
+                                                          for k, v in self.ARG.findall(body) if k}})
+            pos = end
+        rest.append(text[pos:])
+        content = "".join(rest)
+        return ((content.strip() or None) if calls else content), calls
+
+    def _properties(self, name: str) -> dict | None:
+        """the function's parameter schemas by name; None for a name not among the tools (any name
+        counts when the request has none)"""
+        for t in self.tools:
+            if t["function"]["name"] == name:
+                return (t["function"].get("parameters") or {}).get("properties") or {}
+        return None if self.tools else {}
+
+    def render(self, calls):
+        return "\n".join(f"{self.open}{c['name']}\n" + "".join(
+            f"<arg_key>{k}</arg_key><arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+            "</arg_value>\n" for k, v in c["arguments"].items()) + self.close for c in calls)
+
+    def forced(self, functions, parallel):
+        """One rule per function (its name, then its declared parameters in their order, the required
+        ones always) and one per parameter's value (``_value_rule``)."""
+        rules = ["start: call" + (' ("\\n" call)*' if parallel else ""),
+                 "call: " + " | ".join(f"call{i}" for i in range(len(functions)))]
+        for i, f in enumerate(functions):
+            name, params = f["function"]["name"], f["function"].get("parameters") or {}
+            need, defs = set(params.get("required") or []), {k: params[k] for k in ("$defs", "definitions") if k in params}
+            args = []
+            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+                value, rule = _value_rule(f"v{i}_{j}", schema if isinstance(schema, dict) else {}, defs)
+                rules.append(rule)
+                arg = f'{_lit(f"<arg_key>{key}</arg_key><arg_value>")} {value} "</arg_value>\\n"'
+                args.append(arg if key in need else f"({arg})?")
+            rules.append(f"call{i}: " + " ".join([_lit(f"{self.open}{name}\n"), *args, _lit(self.close)]))
+        return "\n".join(rules)
+
+
+# a parameter's schema type as the spark25 parser names it -> the JSON schema type
+SPARK_TYPES = {"str": "string", "text": "string", "int": "integer", "float": "number", "bool": "boolean"}
+
+
+def _param_type(schema) -> str:
+    """a parameter's declared type as the spark25 parser takes it (``_get_param_type``): its schema's
+    ``type`` if that is one string, else "string" (a list of types, anyOf, $ref, undeclared)"""
+    t = schema.get("type") if isinstance(schema, dict) else None
+    return t if isinstance(t, str) else "string"
+
+
+def spark_value(value: str, param_type: str):
+    """A Spark2_5 value's text as its parameter's type reads it, the plugin's ``_convert_value``
+    to the letter: "null" (any case) is None; a string stays text; an integer, number (integral:
+    an int) or boolean (true/1/false/0) is read as one, any other type as JSON; what does not read
+    as its type is JSON if it parses, else the text."""
+    if value.lower() == "null":
+        return None
+    t = SPARK_TYPES.get(param_type.lower(), param_type.lower())
+    try:
+        if t == "string":
+            return value
+        if t == "integer":
+            return int(value)
+        if t == "number":
+            x = float(value)
+            return int(x) if x.is_integer() else x
+        if t == "boolean":
+            b = value.strip().lower()
+            if b not in ("true", "1", "false", "0"):
+                raise ValueError(f"invalid boolean: {value}")
+            return b in ("true", "1")
+        return json.loads(value)
+    except (TypeError, ValueError):  # json.JSONDecodeError is a ValueError
+        try:
+            return json.loads(value)
+        except (TypeError, ValueError):
+            return value
+
+
+def _value_rule(name: str, schema: dict, defs: dict) -> tuple[str, str]:
+    """(the symbol, its Lark rule) of one argument's value text: text that ``spark_value`` reads back
+    as a value of ``schema``. Enum / const: one of the values; string: text without '<' (where the
+    value ends), within minLength / maxLength, never "null"; any other type: its JSON (%json of the
+    schema, the parameters' $defs beside it)."""
+    t = _param_type(schema).lower()
+    t = SPARK_TYPES.get(t, t)
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        texts = [v if isinstance(v, str) and t == "string" else json.dumps(v, ensure_ascii=False) for v in values]
+        return name, f"{name}: " + " | ".join(map(_lit, texts))
+    if t == "string":
+        lo, hi = (n if type(n) is int else d for n, d in ((schema.get("minLength"), 0), (schema.get("maxLength"), "")))
+        return name.upper(), f"{name.upper()}: /[^<]{{{lo},{hi}}}/ & ~/(?i:null)/"
+    from .structured import COMPACT
+    return name, f"{name}: %json {json.dumps({'x-guidance': COMPACT, **defs, **schema, 'type': t}, ensure_ascii=False)}"
+
+
+def _lit(text: str) -> str:
+    """a Lark string literal"""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _calls(body: str) -> list[dict] | None:
@@ -103,17 +239,16 @@ def _calls(body: str) -> list[dict] | None:
     return out or None
 
 
-def detect(template: str | None) -> tuple[ToolFormat, bool]:
-    """(the template's tool-call format, whether the template renders tools itself)"""
+def detect(template: str | None, tools: list[dict] | None = None) -> tuple[ToolFormat, bool]:
+    """(the template's tool-call format, holding the request's ``tools``; whether the template
+    renders tools itself)"""
     t = template or ""
     native = "tools" in t
-    if "[TOOL_CALLS]" in t:
-        return MistralFormat(), native
-    if "<|tool_call|>" in t:
-        return Phi4Format(), native
-    if "<|python_tag|>" in t or "ipython" in t:
-        return Llama3Format(), native
-    return ToolFormat(), native
+    for mark, fmt in (("<arg_key>", Spark25Format), ("[TOOL_CALLS]", MistralFormat), ("<|tool_call|>", Phi4Format),
+                      ("<|python_tag|>", Llama3Format), ("ipython", Llama3Format)):
+        if mark in t:
+            return fmt(tools), native
+    return ToolFormat(tools), native
 
 
 def check_tools(tools) -> list[dict]:

@@ -11,6 +11,7 @@ codes + scales: the same buffers and arithmetic in C and torch).
 """
 from __future__ import annotations
 
+from sparkq.formats import constants as C
 from sparkq.formats.layout import ROWS32
 
 from .. import core
@@ -38,7 +39,7 @@ def prefill_supported(model, lib) -> str | None:
     for name, lin in model.lin.items():
         if not name.startswith("layers."):
             continue
-        if isinstance(lin, DenseLinear):
+        if isinstance(lin, DenseLinear) and not name.endswith("." + C.ROLE_GATE):  # (the gate's few rows: per token)
             return f"{name} is bf16 (no W4A8 GEMM)"
         if isinstance(lin, Int4Linear):
             if lin.prefill_dequant is not None:

@@ -79,8 +79,13 @@ def rope_cos_sin(spec: ModelSpec, layer: int, length: int) -> tuple[torch.Tensor
     return emb.cos() * att, emb.sin() * att
 
 
+# ModelSpec.act -> the MLP gate's activation
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
+
+
 def activation(spec: ModelSpec) -> Callable[[torch.Tensor], torch.Tensor]:
-    return F.silu if spec.act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
+    return ACTIVATIONS[spec.act]
 
 
 def attn_scale(spec: ModelSpec) -> float:
@@ -89,8 +94,8 @@ def attn_scale(spec: ModelSpec) -> float:
 
 class Layers:
     """Everything between a model's linear products, over its vectors (``vec(name)``: a norm weight
-    or bias by its artifact name). Calls come in a layer's order: ``attn_in``, the qkv product,
-    ``qkv_heads``, (rotate, attend), the o product, ``residual``; ``mlp_in``, the gate_up product,
+    or bias by its artifact name). Calls come in a layer's order: ``attn_in``, the qkv product (and
+    the gate's, where the family has one), ``qkv_heads``, (rotate, attend), ``gate``, the o product, ``residual``; ``mlp_in``, the gate_up product,
     ``glu``, the down product, ``residual``; at the end ``final``."""
 
     def __init__(self, spec: ModelSpec, vec: Callable[[str], torch.Tensor]):
@@ -121,6 +126,17 @@ class Layers:
         if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(q, f"layers.{i}.q_norm.weight"), self.norm(k, f"layers.{i}.k_norm.weight")
         return q, k, v.reshape(*lead, s.kv_heads, s.head_dim)
+
+    def gate(self, o: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+        """The attention output o [..., heads * D] times sigmoid of the gate product g [..., heads *
+        width] (ModelSpec.attn_gate: one scalar per head, or one per channel); the sigmoid in fp32,
+        as vLLM's Spark2_5Attention computes it. No gate: o."""
+        s = self.spec
+        if not s.attn_gate:
+            return o
+        lead = o.shape[:-1]
+        sg = torch.sigmoid(g.float()).to(o.dtype).reshape(*lead, s.heads, s.attn_gate)
+        return (o.reshape(*lead, s.heads, s.head_dim) * sg).reshape(o.shape)
 
     def glu(self, gu: torch.Tensor) -> torch.Tensor:
         g, u = gu.chunk(2, dim=-1)

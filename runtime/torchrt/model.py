@@ -145,10 +145,12 @@ class Model:
         self.cache.write(i, pos0, k.transpose(0, 1), v.transpose(0, 1))
         start = 0 if cfg.window is None else max(0, end - cfg.window - t + 1)
         keys, vals = self.cache.read(i, start, end)
+        g = self.lin[f"layers.{i}.{C.ROLE_GATE}"](x) if s.attn_gate else None
         if t == 1:  # decode: the cache slice is exactly the visible window, no mask needed
-            return self.lin[f"layers.{i}.o"](self._decode_attention(q, keys, vals))
-        o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale)
-        return self.lin[f"layers.{i}.o"](o.transpose(0, 1).reshape(t, s.q_dim))
+            o = self._decode_attention(q, keys, vals)
+        else:
+            o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale).transpose(0, 1).reshape(t, s.q_dim)
+        return self.lin[f"layers.{i}.o"](self.layers.gate(o, g))
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One query token, GQA as a grouped matmul (SDPA takes its slow math path for this

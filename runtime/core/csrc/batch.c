@@ -51,6 +51,7 @@ static void head_rows(const sq_model *m, sq_work *w, sq_act *a, int64_t M, const
 typedef struct {
     int64_t rows;
     float *x, *xn, *qkv, *att, *h, *gu, *mid, *sc, *part; /* sc, part: attention's work items */
+    float *g; /* the attention output gate's products [rows, heads * gate_width] */
     sq_act *a;
     sq_a16 *ti; /* the opt-in tile products' activations (gemv_tiles.c), NULL until a step takes them */
 } sq_batch;
@@ -58,7 +59,7 @@ typedef struct {
 void sq_batch_free(void *p) {
     sq_batch *b = p;
     if (!b) return;
-    free(b->x); free(b->xn); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc); free(b->part);
+    free(b->x); free(b->xn); free(b->g); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc); free(b->part);
     acts_free(b->a, b->rows);
     a16_free(b->ti);
     free(b);
@@ -76,11 +77,12 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     b->qkv = malloc(sizeof(float) * M * nqkv), b->att = malloc(sizeof(float) * M * qd);
     b->h = malloc(sizeof(float) * M * E), b->gu = malloc(sizeof(float) * M * 2 * I);
     const int64_t items = M * KV * attn_blocks(0, m->cap);
+    b->g = malloc(sizeof(float) * M * H * (m->gate_width > 0 ? m->gate_width : 1));
     b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * items * (H / KV) * KVB);
     b->part = malloc(sizeof(float) * items * part_floats(m));
     b->a = acts_new(M, maxk);
     for (int64_t t = 0; b->a && t < M; t++) b->a[t].col = t; /* b->ti: on the first step that takes the tiles */
-    if (!(b->x && b->xn && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a)) {
+    if (!(b->x && b->xn && b->g && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a)) {
         sq_batch_free(b);
         return NULL;
     }
@@ -129,6 +131,11 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                     prep(&L->qkv, xn + t * maxk, &a[t]);
                 }
                 products_many(&L->qkv, a, M, qkv, nqkv);
+                if (L->gate.q) { /* the output gate's products, from the same normed inputs */
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) prep(&L->gate, xn + t * maxk, &a[t]);
+                    products_many(&L->gate, a, M, b->g, L->gate.n);
+                }
                 if (m->qk_norm_full) {
 #pragma omp for schedule(static)
                     for (int64_t t = 0; t < M; t++) qk_norm_wide(m, L, qkv + t * nqkv);
@@ -169,7 +176,10 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                     attend_finish(m, part + (t * KV * nbm + hh / grp * nb) * pf, nb, hh % grp, att + t * qd + hh * D);
                 }
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) prep(&L->o, att + t * qd, &a[t]);
+                for (int64_t t = 0; t < M; t++) {
+                    if (L->gate.q) attn_gate(m, b->g + t * L->gate.n, att + t * qd);
+                    prep(&L->o, att + t * qd, &a[t]);
+                }
                 products_many(&L->o, a, M, h, E);
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M; t++) {

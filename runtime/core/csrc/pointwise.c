@@ -1,5 +1,5 @@
 /* The pointwise parts between the products, per token, fp32: RMS norms, RoPE, the q/k norms
- * and the KV-cache write, residual adds, SwiGLU / GELU, and embedding rows. */
+ * and the KV-cache write, the attention output gate, residual adds, SwiGLU / GELU, and embedding rows. */
 
 static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, int offset, float *out) {
     if (!w) { /* a layer without this norm (OLMo2 has none before attention and the MLP) */
@@ -122,6 +122,42 @@ static void add_residual(const sq_model *m, const uint16_t *post_norm, float *h,
 }
 
 
+/* exact GELU x * Phi(x) = x/2 (1 + erf(x / sqrt 2)); the SIMD versions below take erf from
+ * Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7 absolute: the rational term times exp(-z^2)) */
+static inline float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+
+static const float ERF_A[6] = {1.061405429f, -1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f, 0.3275911f};
+
+#ifdef SQ_AVX2
+static inline __m256 gelu_erf8(__m256 x) {
+    const __m256 z = _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f));
+    const __m256 az = _mm256_andnot_ps(_mm256_set1_ps(-0.f), z);
+    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(az, _mm256_set1_ps(ERF_A[5]), _mm256_set1_ps(1.f)));
+    __m256 p = _mm256_set1_ps(ERF_A[0]);
+    for (int i = 1; i < 5; i++) p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(ERF_A[i]));
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_min_ps(_mm256_mul_ps(az, az), _mm256_set1_ps(87.f))));
+    const __m256 r = _mm256_fnmadd_ps(_mm256_mul_ps(p, t), e, _mm256_set1_ps(1.f)); /* erf(|z|) */
+    const __m256 erf = _mm256_or_ps(r, _mm256_and_ps(z, _mm256_set1_ps(-0.f)));    /* its sign */
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.f), erf));
+}
+#endif
+#ifdef SQ_AVX512
+static inline __m512 gelu_erf16(__m512 x) { /* gelu_erf8 on 16 lanes */
+    const __m512 z = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));
+    const __m512 az = _mm512_abs_ps(z);
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(az, _mm512_set1_ps(ERF_A[5]), _mm512_set1_ps(1.f)));
+    __m512 p = _mm512_set1_ps(ERF_A[0]);
+    for (int i = 1; i < 5; i++) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(ERF_A[i]));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_min_ps(_mm512_mul_ps(az, az), _mm512_set1_ps(87.f))));
+    const __m512 r = _mm512_fnmadd_ps(_mm512_mul_ps(p, t), e, _mm512_set1_ps(1.f));
+    const __m512 erf = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
+        _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32((int)0x80000000u))));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.f), erf));
+}
+#endif
+
+/* out [I] = act(gate) * up of one token's gate_up product [gate I | up I]; act 0 SiLU, 1 GELU-tanh,
+ * 2 GELU (erf) */
 static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
     int64_t i = 0;
 #ifdef SQ_AVX512
@@ -132,6 +168,9 @@ static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
             _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                                     _mm512_loadu_ps(gu + I + i)));
         }
+    else if (act == 2)
+        for (; i + 16 <= I; i += 16)
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(gelu_erf16(_mm512_loadu_ps(gu + i)), _mm512_loadu_ps(gu + I + i)));
 #endif
 #ifdef SQ_AVX2
     if (act == 0)
@@ -142,11 +181,23 @@ static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
             _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
                                                     _mm256_loadu_ps(gu + I + i)));
         }
+    else if (act == 2)
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu_erf8(_mm256_loadu_ps(gu + i)), _mm256_loadu_ps(gu + I + i)));
 #endif
     for (; i < I; i++) {
         const float g = gu[i];
-        out[i] = (act == 0 ? g / (1.f + expf(-g)) : gelu_tanh(g)) * gu[I + i];
+        out[i] = (act == 0 ? g / (1.f + expf(-g)) : act == 1 ? gelu_tanh(g) : gelu_erf(g)) * gu[I + i];
     }
+}
+
+/* The attention output gate of one token: each query head's output att [H * D] times sigmoid of
+ * its gate values g [H * gate_width] (one per head, or one per channel when gate_width is D) */
+static void attn_gate(const sq_model *m, const float *g, float *att) {
+    const int64_t H = m->heads, D = m->head_dim, W = m->gate_width;
+    if (!W) return;
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t d = 0; d < D; d++) att[h * D + d] *= 1.f / (1.f + expf(-g[h * W + (W == 1 ? 0 : d)]));
 }
 
 

@@ -44,14 +44,16 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
 #endif
     float *x = malloc(sizeof(float) * chunk * E), *xn = malloc(sizeof(float) * chunk * maxk);
     float *big = malloc(sizeof(float) * chunk * wide), *att = malloc(sizeof(float) * chunk * qd);
+    const int64_t gw = H * (m->gate_width > 0 ? m->gate_width : 1); /* the output gate's values per token */
+    float *gv = malloc(sizeof(float) * chunk * gw);
     float *scr = malloc(sizeof(float) * nthr * PQB * m->cap);
     float *kf = malloc(sizeof(float) * (pos0 + T) * D), *vf = malloc(sizeof(float) * (pos0 + T) * D); /* attention_many */
     void *xt = NULL; /* the bf16 GEMM's activation tiles, shared by every product */
 #ifdef SQ_BF16
     xt = alloc64(sizeof(uint16_t) * ((chunk + 15) / 16 * 16) * maxk); /* BT (8) or the tile GEMM's 16 tokens */
-    int rc = (x && xn && big && att && scr && kf && vf && xt) ? 0 : -1;
+    int rc = (x && xn && big && att && scr && kf && vf && gv && xt) ? 0 : -1;
 #else
-    int rc = (x && xn && big && att && scr && kf && vf) ? 0 : -1;
+    int rc = (x && xn && big && att && scr && kf && vf && gv) ? 0 : -1;
 #endif
     for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
         const int64_t n = c0 + chunk < T ? chunk : T - c0, p0 = pos0 + c0;
@@ -66,9 +68,13 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
             if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
+            if (L->gate.q && (rc = linear_many(&L->gate, xn, n, gv, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
             attention_many(m, L, big, nqkv, p0, n, att, scr, kf, vf);
+            if (L->gate.q)
+#pragma omp parallel for schedule(static)
+                for (int64_t t = 0; t < n; t++) attn_gate(m, gv + t * gw, att + t * qd);
             if ((rc = linear_many(&L->o, att, n, xn, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) {
@@ -90,6 +96,6 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             rms_norm(x + (n - 1) * E, m->final_norm, E, m->eps, off, out);
         }
     }
-    free(x); free(xn); free(big); free(att); free(scr); free(kf); free(vf); free(xt);
+    free(x); free(xn); free(big); free(att); free(gv); free(scr); free(kf); free(vf); free(xt);
     return rc;
 }

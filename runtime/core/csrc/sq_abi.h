@@ -5,7 +5,7 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 12
+#define SQ_ABI 13
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
@@ -29,24 +29,27 @@ enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
  * before attention / the MLP, OLMo2), RoPE tables (bf16 [rope_len, rot]; rot 0: no RoPE, SmolLM3),
  * its KV cache [kv_heads, cap, head_dim] (bf16, or int8 codes with kscale / vscale: one bf16 scale
  * per (KV head, position) [kv_heads, cap], x = code * scale; NULL for a bf16 cache), rotary dims,
- * sliding window (0 = full). */
+ * sliding window (0 = full), and the attention output gate's linear (gate.q NULL: no gate; see
+ * gate_width). */
 #define SQ_LAYER_FIELDS(F)                                                                        \
     F(sq_linear, qkv) F(sq_linear, o) F(sq_linear, gate_up) F(sq_linear, down)                    \
     F(const uint16_t *, attn_norm) F(const uint16_t *, mlp_norm) F(const uint16_t *, post_attn_norm) \
     F(const uint16_t *, post_mlp_norm) F(const uint16_t *, q_norm) F(const uint16_t *, k_norm)    \
     F(const uint16_t *, cos) F(const uint16_t *, sin) F(void *, kcache) F(void *, vcache)               \
-    F(uint16_t *, kscale) F(uint16_t *, vscale) F(int64_t, rot) F(int64_t, window)
+    F(uint16_t *, kscale) F(uint16_t *, vscale) F(int64_t, rot) F(int64_t, window) F(sq_linear, gate)
 
-/* the model: shape, act (0 SiLU, 1 GELU-tanh), norm_offset (1: (1 + w) norms), refine_top (top
+/* the model: shape, act (0 SiLU, 1 GELU-tanh, 2 GELU (erf)), norm_offset (1: (1 + w) norms), refine_top (top
  * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),
  * qk_norm_full (1: q_norm / k_norm span all heads' q [H*D] and k [KV*D], OLMo2; 0: per head),
  * embed_mult (0 = off), res_mult (the branch outputs' factor before the residual add, Granite;
- * 0 = 1), the layers, head, embedding (the head's linear when tied), final norm. */
+ * 0 = 1), gate_width (the attention output gate: each query head's output times sigmoid of its
+ * gate_width values of the layer's gate product, 1 per head or head_dim per channel; 0 none), the
+ * layers, head, embedding (the head's linear when tied), final norm. */
 #define SQ_MODEL_FIELDS(F)                                                                        \
     F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
     F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
     F(int64_t, refine_top) F(int64_t, kv_int8) F(int64_t, qk_norm_full) F(double, eps) F(double, attn_scale)          \
-    F(double, embed_mult) F(double, res_mult)                                                                       \
+    F(double, embed_mult) F(double, res_mult) F(int64_t, gate_width)                                                \
     F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)
 
 #define SQ_FIELD_DECL(type, name) type name;

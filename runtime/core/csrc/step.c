@@ -25,6 +25,11 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
                 prep(&L->qkv, w->xn, &w->a);
             }
             products(&L->qkv, &w->a, w->qkv);
+            if (L->gate.q) { /* the output gate's product, from the same normed input */
+#pragma omp single
+                prep(&L->gate, w->xn, &w->a);
+                products(&L->gate, &w->a, w->g);
+            }
             if (m->qk_norm_full) {
 #pragma omp single
                 qk_norm_wide(m, L, w->qkv);
@@ -33,7 +38,10 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
             attention(m, L, w->qkv, pos, w->scores, w->part, w->att);
 #pragma omp single
-            prep(&L->o, w->att, &w->a);
+            {
+                if (L->gate.q) attn_gate(m, w->g, w->att);
+                prep(&L->o, w->att, &w->a);
+            }
             products(&L->o, &w->a, w->h);
 #pragma omp single
             {

@@ -2,6 +2,7 @@
 
 typedef struct {
     float *xn, *qkv, *att, *h, *gu, *mid, *scores, *part; /* scores, part: attention's work items (attention.c) */
+    float *g; /* the attention output gate's product [heads * gate_width] */
     sq_act a;
     int64_t maxk;
     int32_t *cand, *tie; /* refine_split: the candidate rows, and a bucket's members while selecting */
@@ -24,10 +25,11 @@ void *sq_work_new(const sq_model *m) {
     w->h = malloc(sizeof(float) * m->hidden);
     w->gu = malloc(sizeof(float) * 2 * m->inter);
     w->mid = malloc(sizeof(float) * m->inter);
+    w->g = malloc(sizeof(float) * m->heads * (m->gate_width > 0 ? m->gate_width : 1));
     const int64_t items = m->kv_heads * attn_blocks(0, m->cap); /* the most decode attention work items */
     w->scores = malloc(sizeof(float) * items * (m->heads / m->kv_heads) * KVB);
     w->part = malloc(sizeof(float) * items * part_floats(m));
-    if (!sq_act_alloc(&w->a, maxk) || !w->xn || !w->qkv || !w->att || !w->h || !w->gu || !w->mid || !w->scores || !w->part) {
+    if (!sq_act_alloc(&w->a, maxk) || !w->xn || !w->qkv || !w->att || !w->h || !w->gu || !w->mid || !w->g || !w->scores || !w->part) {
         sq_work_free(w);
         return NULL;
     }
@@ -46,7 +48,7 @@ void *sq_work_new(const sq_model *m) {
 void sq_work_free(void *p) {
     sq_work *w = p;
     if (!w) return;
-    free(w->xn); free(w->qkv); free(w->att); free(w->h); free(w->gu); free(w->mid); free(w->scores); free(w->part);
+    free(w->xn); free(w->qkv); free(w->att); free(w->h); free(w->gu); free(w->mid); free(w->g); free(w->scores); free(w->part);
     free(w->cand); free(w->tie); free(w->gsum);
     sq_act_free(&w->a);
     free(w);
