@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from helpers import ROOT, byte_tokenizer, make_llama
+from helpers import ROOT, byte_tokenizer
 from sparkq.runtime.serve import tools
 
 TEMPLATE = (ROOT / "convert/data/spark2_5_chat_template.jinja").read_text()
@@ -201,8 +201,10 @@ def spark_server(tmp_path_factory):
     from sparkq.convert.pipeline import Options, convert
     from test_structured import _serving
 
+    from test_spark2_5 import make_spark
+
     d = tmp_path_factory.mktemp("spark")
-    src = make_llama(d / "m", layers=1, seed=3, max_position_embeddings=2048)
+    src = make_spark(d / "m", seed=3)  # a tiny Spark2_5 (gate, GELU, sliding layers) served with its template
     (src / "chat_template.jinja").write_text(TEMPLATE)
     (src / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 256}))
     convert(str(src), str(d / "art"), Options(progress=False, method="minmax"))
@@ -233,12 +235,14 @@ def test_served_calls_are_parsed_and_typed_whole_and_streamed(spark_server, choi
               parallel_tool_calls=named, max_tokens=300)
     r = c.chat.completions.create(**kw)
     ch = r.choices[0]
-    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+    # parallel calls go on while the model writes them: a reply max_tokens cut says "length" (its
+    # unclosed call stays text, as the plugin leaves it)
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None or ch.finish_reason == "length" and named, ch
     calls = _typed_calls(ch.message.tool_calls)
     assert calls and (len(calls) == 1 or named) and all(name == choice for name, _ in calls if named)
     assert r.system_fingerprint is None  # the template renders the tools (no generic prompt)
     streamed = list(c.chat.completions.create(**kw, stream=True))
     deltas = [t for x in streamed if x.choices for t in (x.choices[0].delta.tool_calls or [])]
     assert _typed_calls(deltas) == calls and [d.index for d in deltas] == list(range(len(calls)))
-    assert [x.choices[0].finish_reason for x in streamed if x.choices and x.choices[0].finish_reason] == ["tool_calls"]
-    assert not "".join(x.choices[0].delta.content or "" for x in streamed if x.choices)
+    assert [x.choices[0].finish_reason for x in streamed if x.choices and x.choices[0].finish_reason] == [ch.finish_reason]
+    assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == (ch.message.content or "")
