@@ -101,7 +101,8 @@ OPT_MAX_MODEL_LEN = typer.Option(None, "--max-model-len", help="default: min(204
 OPT_KV_BUDGET = typer.Option(192, "--kv-budget-mib")
 OPT_KV_DTYPE = typer.Option(None, "--kv-dtype", help="KV cache: int8 (the default: int8 K/V rows with a bf16 scale per "
                             "position and KV head, ~0.52x bf16's bytes, so ~1.9x the positions per budget) or bf16")
-OPT_THREADS = typer.Option(None, "--threads")
+OPT_THREADS = typer.Option(None, "--threads", help="a fixed thread count (default: the physical cores, fewer while "
+                           "other programs take cores, back when they free them)")
 OPT_TOP_K = typer.Option(0, "--top-k", help="sample among the k most probable tokens (0: off)")
 OPT_MIN_P = typer.Option(0.0, "--min-p", help="drop tokens under min_p x the most probable one's probability")
 OPT_REP = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages tokens of the prompt and the answer so far")
@@ -130,6 +131,18 @@ def _rss_mib() -> dict:
 
 def _runtime(m) -> str:
     return "lite" if "lite" in m.info.extra.get("decode_path", "") else "torch"
+
+
+def _governor(m):
+    """The C calls' thread governor of a loaded model (runtime/core/threads.py), None without the C core"""
+    s = getattr(m, "session", None) or getattr(getattr(m, "model", None), "fast", None)
+    return getattr(s, "gov", None)
+
+
+def _threads_low(m) -> int | None:
+    """The fewest threads the C calls ran on (other programs held cores), None where never fewer"""
+    g = _governor(m)
+    return g.low if g is not None and g.low < g.max else None
 
 
 def _threads(m) -> int:

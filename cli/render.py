@@ -66,7 +66,7 @@ def inspect_summary(s: dict) -> str:
     return table(rows)
 
 
-def generate_stats(m, rss: dict, threads: int) -> str:
+def generate_stats(m, rss: dict, threads: int | str) -> str:
     st = m.last_stats
     return (f"[load {m.info.load_seconds:.2f} s | prefill {st.prompt_tokens} tok {st.prefill_tok_s:.1f} tok/s | "
             f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | RSS anon {rss['RssAnon']:.0f} MiB + "

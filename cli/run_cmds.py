@@ -12,7 +12,7 @@ from .common import (OPT_FREQUENCY, OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_L
                      OPT_SEED, OPT_TEMPERATURE, OPT_THINK, OPT_THREADS, OPT_TOP_K, OPT_TOP_P, app, sampling_params,
                      set_thinking)
 from .common import (_fail, _kv, _need_convert_extra, _plot, _prefill_mode, _rss_mib, _run, _runtime, _save,  # noqa: F401
-                     _threads, artifact_layout, open_model)
+                     _threads, _threads_low, artifact_layout, open_model)
 
 
 @app.command()
@@ -55,7 +55,7 @@ def generate(
     if as_json:
         r = _run(m.generate, prompt, chat=chat, **kw)
         r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout, hub=hub,
-                          threads=_threads(m), rss_mib=_rss_mib(), runtime=_runtime(m))
+                          threads=_threads(m), threads_low=_threads_low(m), rss_mib=_rss_mib(), runtime=_runtime(m))
         typer.echo(json.dumps(r))
         return
 
@@ -65,7 +65,9 @@ def generate(
             sys.stdout.flush()
 
     _run(run_stream)
-    typer.echo("\n" + R.generate_stats(m, _rss_mib(), _threads(m)), err=True)
+    low = _threads_low(m)
+    typer.echo("\n" + R.generate_stats(m, _rss_mib(), f"{_threads(m)}" + (f" (down to {low} while other programs held "
+                                                                        "cores)" if low else "")), err=True)
 
 
 @app.command()

@@ -117,13 +117,13 @@ def med(xs):
 
 
 def tables(res: dict) -> list[str]:
-    L = ["| arm | weights | embedding/head | bf16 (gate) | KV cache | RoPE | peak RSS | settled RSS | load s |",
-         "|---|---|---|---|---|---|---|---|---|"]
+    L = ["| arm | weights | embedding/head | bf16 (gate) | KV cache | RoPE | imports | peak RSS | settled RSS | load s |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in res["memory"].items():
         c = {k: v["bytes"] / 2**20 for k, v in r["ledger"]["categories"].items()}
         wts = c.get("int4 weights", 0) + c.get("scales/zeros", 0) + c.get("int8 weights", 0)
         L.append(f"| {arm} | {wts:.1f} | {c.get('embedding/head', 0):.1f} | {c.get('bf16 weights', 0):.2f} | "
-                 f"{c.get('kv cache', 0):.1f} | {c.get('rope tables', 0):.1f} | {r['peak_mib']:.0f} | "
+                 f"{c.get('kv cache', 0):.1f} | {c.get('rope tables', 0):.1f} | {sum(r['import_cost_mib'].values()):.0f} | {r['peak_mib']:.0f} | "
                  f"{r['settled_mib']:.0f} | {r['load_s']:.3f} |")
     L += ["", "| arm | decode tg64 tok/s | prefill pp512 tok/s | decode % of read probe |", "|---|---|---|---|"]
     for arm, a in res["speed"]["arms"].items():

@@ -9,8 +9,9 @@ from .builds import (BUILDS, EXPECT, ISA_BUILDS, KernelUnavailable, build, cache
                     missing_features, resolve_variant, sources)
 from .lib import BUILD_SECONDS, build_name, kind_code, load, require, try_load
 from .session import PREFILL_CHUNK, CLinear, Session, attn_scale, clinear, linear_struct, ptr
+from .threads import Governor
 
 __all__ = ["ABI", "SqLayer", "SqLinear", "SqModel", "BUILDS", "EXPECT", "ISA_BUILDS", "KernelUnavailable", "build",
            "cache_dir", "compiler", "host_builds", "missing_features", "resolve_variant", "sources", "BUILD_SECONDS",
            "build_name", "kind_code", "load", "require", "try_load", "PREFILL_CHUNK", "CLinear", "clinear", "Session", "attn_scale",
-           "linear_struct", "ptr"]
+           "linear_struct", "ptr", "Governor"]

@@ -21,6 +21,7 @@ from ..common import REFINE_SPLIT, REFINE_TOP, check_ids
 from ..errors import RuntimeUserError
 from . import abi
 from .lib import kind_code
+from .threads import Governor
 
 # the fewest sequences whose batched step takes the AMX int8 tile products when a server asks for
 # them (--batch-tiles): where they beat the W4A8 products on the Qwen3-1.7B shape (docs/serving.md
@@ -88,8 +89,12 @@ class Session:
     int8 codes with kscale, vscale: per layer bf16 [(slots,) kv_heads, cap] (x = code * scale)."""
 
     def __init__(self, lib, spec, linears: dict, vectors: dict, ropes: list, kcache, vcache, cap: int, *,
-                 threads: int, attn_scale: float, embed_mult: float = 0.0, kscale=None, vscale=None):
+                 threads: int, attn_scale: float, embed_mult: float = 0.0, kscale=None, vscale=None,
+                 pinned: bool = False):
         self.lib, self.spec, self.cap, self.threads = lib, spec, cap, int(threads)
+        # each call's thread count: `threads` while the cores are ours, fewer while another program
+        # takes some (runtime/core/threads.py); `pinned` (--threads N): always `threads`
+        self.gov = Governor(self.threads, pinned)
         self.prefill_chunk = PREFILL_CHUNK
         self._keep = [linears, vectors, ropes, kcache, vcache, kscale, vscale]  # every buffer the structs point into
         layers = (abi.SqLayer * spec.layers)()
@@ -163,7 +168,7 @@ class Session:
             raise RuntimeUserError(f"position {pos} is beyond the KV cache ({self.cap} tokens)")
         check_ids(int(token), self.embed_rows)
         out = self.logits if out is None else out
-        self.lib.sq_set_threads(self.threads)
+        self.lib.sq_set_threads(self.gov.threads())
         self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.ctypes.data, ptr(out))
         return self._softcap(out)
 
@@ -176,21 +181,27 @@ class Session:
             raise RuntimeUserError("empty prompt: give at least one token of text")
         check_ids((int(ids.min()), int(ids.max())), self.embed_rows)
         out = np.empty((1 if last_only else ids.size, self.spec.hidden), np.float32)
-        self.lib.sq_set_threads(self.threads)
-        args = (ids.ctypes.data, ids.size, int(pos0), int(chunk or self.prefill_chunk), out.ctypes.data, int(not last_only))
-        rc = (self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), *args) if kvoff
-              else self.lib.sq_prefill(ctypes.byref(self.m), *args))
-        if rc == -2:
+        chunk = int(chunk or self.prefill_chunk)
+        if pos0 + ids.size > self.cap or pos0 < 0:
             raise RuntimeUserError(f"positions {pos0}..{pos0 + ids.size - 1} are beyond the KV cache ({self.cap} tokens)")
-        if rc:
-            raise MemoryError("sq_prefill could not allocate its activation buffers")
+        # a call per chunk where the thread count may change between them (the same bits as one call)
+        step = ids.size if self.gov.pinned else chunk
+        for c0 in range(0, ids.size, step):
+            n = min(step, ids.size - c0)
+            dst = out[c0:c0 + n] if not last_only else out
+            self.lib.sq_set_threads(self.gov.threads())
+            args = (ids.ctypes.data + 8 * c0, n, int(pos0 + c0), chunk, dst.ctypes.data, int(not last_only))
+            rc = (self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), *args) if kvoff
+                  else self.lib.sq_prefill(ctypes.byref(self.m), *args))
+            if rc:
+                raise MemoryError("sq_prefill could not allocate its activation buffers")
         return out
 
     def head(self, xn, out: np.ndarray | None = None) -> np.ndarray:
         """Logits fp32 [vocab] of one final-normed hidden state (the tail of sq_step)."""
         xn = np.ascontiguousarray(xn, dtype=np.float32).reshape(-1)
         out = self.logits if out is None else out
-        self.lib.sq_set_threads(self.threads)
+        self.lib.sq_set_threads(self.gov.threads())
         self.lib.sq_head(ctypes.byref(self.m), self.work, xn.ctypes.data, ptr(out))
         return self._softcap(out)
 
@@ -233,7 +244,7 @@ class Session:
             check_ids((int(tok.min()), int(tok.max())), self.embed_rows)
         self.reserve_batch(tok.size)
         out = np.empty((tok.size, self.vocab), np.float32)
-        self.lib.sq_set_threads(self.threads)
+        self.lib.sq_set_threads(self.gov.threads())
         if self.lib.sq_batch_tiles(*self.tiles):
             raise RuntimeUserError("tile products need AMX tiles: this process runs another build")
         rc = self.lib.sq_step_many(ctypes.byref(self.m), self.work, self.batch, tok.size, tok.ctypes.data,
@@ -249,7 +260,7 @@ class Session:
         bits whatever the other rows are."""
         xn = np.ascontiguousarray(xn, dtype=np.float32).reshape(-1, self.spec.hidden)
         out = np.empty((xn.shape[0], self.vocab), np.float32)
-        self.lib.sq_set_threads(self.threads)
+        self.lib.sq_set_threads(self.gov.threads())
         if self.lib.sq_head_many(ctypes.byref(self.m), self.work, xn.shape[0], xn.ctypes.data, out.ctypes.data):
             raise MemoryError("sq_head_many could not allocate its activation buffers")
         return self._softcap(out)

@@ -68,7 +68,7 @@ def empty64(shape, dtype) -> np.ndarray:
 
 class LiteModel(Generator):
     def __init__(self, art: Artifact, path, *, max_model_len: int, kv_budget_mib: float, threads: int, lib, hub: dict,
-                 slots: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE):
+                 slots: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE, pinned: bool = False):
         t0 = time.perf_counter()
         spec = self.spec = art.spec
         self.art, self.lib = art, lib
@@ -104,12 +104,13 @@ class LiteModel(Generator):
         self.session = core.Session(lib, spec, linears, vectors, per_layer, self.k, self.v, cap, threads=threads,
                                     attn_scale=core.attn_scale(spec),
                                     embed_mult=spec.embed_mult or 0.0,
-                                    kscale=self.k_scale, vscale=self.v_scale)
+                                    kscale=self.k_scale, vscale=self.v_scale, pinned=pinned)
         config = art.config
         tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
         super().__init__(tok)
         extra = {"hub": hub} if hub else {}
-        extra["decode_path"] = f"c ({core.build_name(lib)}, {threads} threads, lite: no torch)"
+        adaptive = "" if pinned or threads == 1 else " (adaptive)"  # fewer while other programs take cores
+        extra["decode_path"] = f"c ({core.build_name(lib)}, {threads} threads{adaptive}, lite: no torch)"
         extra["prefill_path"] = "c"
         extra["threads"] = threads
         extra["kv_dtype"] = kv_dtype
@@ -150,7 +151,8 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
          kv_dtype: str = DEFAULT_KV_DTYPE) -> LiteModel:
     """A rows32 artifact (local dir or Hub repo id) on the torch-free runtime (see module doc);
     ``slots``: sequences the KV cache holds at once (the budget split evenly; serving.py);
-    ``kv_dtype``: the KV cache's element type (common.KV_DTYPES)."""
+    ``kv_dtype``: the KV cache's element type (common.KV_DTYPES); ``threads``: a fixed count (None: the
+    physical cores, fewer while other programs take some: runtime/core/threads.py)."""
     t0 = time.perf_counter()
     check_kv_dtype(kv_dtype)
     fix_malloc_mmap_threshold()
@@ -176,6 +178,6 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, art.spec.max_position)
     m = LiteModel(art, path, max_model_len=max_model_len, kv_budget_mib=kv_budget_mib,
                   threads=int(threads) if threads else physical_cores(), lib=lib, hub=hub, slots=slots,
-                  kv_dtype=kv_dtype)
+                  kv_dtype=kv_dtype, pinned=bool(threads))
     m.info.load_seconds = time.perf_counter() - t0
     return m

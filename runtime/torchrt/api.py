@@ -101,8 +101,9 @@ def _load_bf16_checkpoint(path: Path):
     return config, spec, linears, norms
 
 
-def _attach_fast(model: Model, lab: LabOptions) -> str:
-    """Attach the C core when it applies; returns the decode path's name for LoadInfo."""
+def _attach_fast(model: Model, lab: LabOptions, pinned: bool = False) -> str:
+    """Attach the C core when it applies (``pinned``: a fixed thread count, else fewer while other
+    programs take cores: runtime/core/threads.py); returns the decode path's name for LoadInfo."""
     from .. import core
     from . import fastpath
 
@@ -114,12 +115,13 @@ def _attach_fast(model: Model, lab: LabOptions) -> str:
     lib = core.try_load()
     if lib is None:
         return "torch (C decode core unavailable)"
-    model.fast = fastpath.session(model, lib, torch.get_num_threads())
+    model.fast = fastpath.session(model, lib, torch.get_num_threads(), pinned)
     model.prefill_off = fastpath.prefill_supported(model, lib)
     model.c_prefill = lab.c_prefill
     fastpath.attach_linears(model, lib)
     built = sum(core.BUILD_SECONDS.values())
     return (f"c ({core.build_name(lib)}, {torch.get_num_threads()} threads"
+            + ("" if pinned or torch.get_num_threads() == 1 else " (adaptive)")
             + (f", compiled in {built:.1f} s" if built else "") + ")")
 
 
@@ -173,7 +175,7 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
     model = Model(spec, linears, norms, max_model_len=max_model_len, kv_capacity=cap,
                   rope_len=spec.max_position if lab.rope_len_from_config else None, kv_dtype=kv_dtype)
     extra = {"hub": hub} if hub else {}
-    extra["decode_path"] = _attach_fast(model, lab)
+    extra["decode_path"] = _attach_fast(model, lab, pinned=bool(threads))
     extra["prefill_path"] = "c" if model.fast is not None and lab.c_prefill and model.prefill_off is None else \
         "torch" + (f" ({model.prefill_off})" if model.fast is not None and lab.c_prefill else "")
     extra["malloc_mmap_threshold"] = MALLOC_MMAP_THRESHOLD if fixed else None

@@ -54,13 +54,13 @@ def clinear(lin) -> core.CLinear:
     return core.clinear(lin.kind, lin.n, lin.k, getattr(lin, "g", None), lin.tensor, bias=getattr(lin, "bias", None))
 
 
-def session(model, lib, threads: int) -> core.Session:
+def session(model, lib, threads: int, pinned: bool = False) -> core.Session:
     """The C core over the torch model's tensors (linears, norms, RoPE tables, KV cache)."""
     ropes = [(cfg.rope.cos, cfg.rope.sin) for cfg in model.layer_cfg]
     embed_mult = model.embed_mult or 0.0
     return core.Session(lib, model.spec, {n: clinear(lin) for n, lin in model.lin.items()}, model.norms, ropes,
                         model.cache.k, model.cache.v, model.cache.capacity, threads=threads, attn_scale=model.scale,
-                        embed_mult=embed_mult, kscale=model.cache.k_scale, vscale=model.cache.v_scale)
+                        embed_mult=embed_mult, kscale=model.cache.k_scale, vscale=model.cache.v_scale, pinned=pinned)
 
 
 def attach_linears(model, lib) -> None:
