@@ -12,36 +12,12 @@ _LIB = ...  # the C core, or None (no compiler): loaded on first use
 
 
 def lib():
-    """The C core's library, or None where it cannot be built (the converter then runs in torch);
-    its calls run on the CPUs' count of threads, fewer while other programs take cores
-    (``OMP_NUM_THREADS`` pins a count)."""
+    """The C core's library, or None where it cannot be built (the converter then runs in torch)."""
     global _LIB
     if _LIB is ...:
-        import os
-
         from sparkq.runtime import core
-        raw = core.try_load()
-        pinned = os.environ.get("OMP_NUM_THREADS", "").isdigit()
-        n = int(os.environ["OMP_NUM_THREADS"]) if pinned else len(os.sched_getaffinity(0))
-        _LIB = None if raw is None else _Governed(raw, core.Governor(n, pinned))
+        _LIB = core.try_load()
     return _LIB
-
-
-class _Governed:
-    """The library with each ``sq_*`` call preceded by the governor's thread count (runtime/core/threads.py)."""
-
-    def __init__(self, raw, gov):
-        self.raw, self._gov = raw, gov
-
-    def __getattr__(self, name):
-        f = getattr(self.raw, name)
-        if not name.startswith("sq_") or name == "sq_set_threads":
-            return f
-
-        def call(*args):
-            self.raw.sq_set_threads(self._gov.threads())
-            return f(*args)
-        return call
 
 
 class CoreLinear:
@@ -58,7 +34,7 @@ class CoreLinear:
         self.keep = {s: np.ascontiguousarray(t) if isinstance(t, np.ndarray) else t.contiguous()
                      for s, t in tensors.items()}  # the buffers the descriptor points into
         self.lib, self.shape = lib, (n, k)
-        self.desc = core.linear_struct(getattr(lib, "raw", lib), core.clinear(kind, n, k, g, self.keep.get))
+        self.desc = core.linear_struct(lib, core.clinear(kind, n, k, g, self.keep.get))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x (float32 or bf16 [M, K]) @ W^T -> float32 [M, N]."""

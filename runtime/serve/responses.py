@@ -103,8 +103,7 @@ class Responses:
                 calls = self._calls(req, msg)
                 if calls:
                     msg["tool_calls"] = calls
-                    if ev["finish"] != "length":  # (a reply cut by max_tokens says so, its whole calls kept)
-                        choice["finish_reason"] = "tool_calls"
+                    choice["finish_reason"] = "tool_calls"
                 choice["message"] = msg
             else:
                 choice["text"] = (req.echo or "") + out
@@ -182,7 +181,7 @@ class Responses:
                             yield self._sse({**meta, "object": obj, "choices": [{"index": i, "finish_reason": None,
                                              "logprobs": None, "delta": {"tool_calls": [{"index": k, **cl}]}}],
                                              **({"usage": None} if include_usage else {})})
-                        finish = finish if finish == "length" else "tool_calls"
+                        finish = "tool_calls"
                 elif reasoning or content:
                     yield chunk(i, content, reasoning=reasoning)
             yield chunk(i, None, finish)
