@@ -4,6 +4,7 @@ linear multiplied by it (``CoreLinear``)."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import torch
@@ -12,12 +13,33 @@ _LIB = ...  # the C core, or None (no compiler): loaded on first use
 
 
 def lib():
-    """The C core's library, or None where it cannot be built (the converter then runs in torch)."""
+    """The C core's library, or None where it cannot be built (the converter then runs in torch).
+    Every call runs on one fixed thread count, this process's CPUs: some of the converter's C
+    functions (their reductions) give other bits at another count, and a runtime session in the same
+    process may have left the library on fewer threads (runtime/core/threads.py)."""
     global _LIB
     if _LIB is ...:
         from sparkq.runtime import core
-        _LIB = core.try_load()
+        raw = core.try_load()
+        _LIB = None if raw is None else _Pinned(raw, len(os.sched_getaffinity(0)))
     return _LIB
+
+
+class _Pinned:
+    """The library with each ``sq_*`` call preceded by ``sq_set_threads(threads)``."""
+
+    def __init__(self, raw, threads: int):
+        self.raw, self.threads = raw, threads
+
+    def __getattr__(self, name):
+        f = getattr(self.raw, name)
+        if not name.startswith("sq_") or name == "sq_set_threads":
+            return f
+
+        def call(*args):
+            self.raw.sq_set_threads(self.threads)
+            return f(*args)
+        return call
 
 
 class CoreLinear:
@@ -34,7 +56,7 @@ class CoreLinear:
         self.keep = {s: np.ascontiguousarray(t) if isinstance(t, np.ndarray) else t.contiguous()
                      for s, t in tensors.items()}  # the buffers the descriptor points into
         self.lib, self.shape = lib, (n, k)
-        self.desc = core.linear_struct(lib, core.clinear(kind, n, k, g, self.keep.get))
+        self.desc = core.linear_struct(getattr(lib, "raw", lib), core.clinear(kind, n, k, g, self.keep.get))
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x (float32 or bf16 [M, K]) @ W^T -> float32 [M, N]."""

@@ -141,3 +141,18 @@ def test_a_generation_beside_busy_programs_runs_on_fewer_threads_then_returns(ar
         s.step(5, 3 + pos % 400)
         pos += 1
     assert s.gov.n == s.gov.max, "the count did not return once the cores were free"
+
+
+def test_a_conversion_is_the_same_bytes_whatever_thread_count_a_session_left(tmp_path):
+    """The converter's C calls run on one fixed count (convert/ccore.py): a governed session in the same
+    process that last ran on fewer threads does not change a conversion's bytes (some converter
+    reductions give other bits at another count)."""
+    from sparkq.convert.pipeline import Options, convert
+    from sparkq.runtime import core
+    src = make_llama(tmp_path / "s", seed=2)
+    lib, out = core.load(), []
+    for n in (2, 1):
+        lib.sq_set_threads(n)  # what a session's last call leaves
+        convert(str(src), str(tmp_path / f"o{n}"), Options(progress=False))
+        out.append((tmp_path / f"o{n}" / "model.sparkq.safetensors").read_bytes())
+    assert out[0] == out[1]
