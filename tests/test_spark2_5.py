@@ -165,7 +165,7 @@ def test_spark_batched_step_is_the_single_step(spark, kernel_build):
     assert_batched_step_is_single(out, [ids[:40], ids[3:70], ids[:4]], max_model_len=128)  # past the window, within it
 
 
-def test_spark_generate_and_convert_cli(spark, tmp_path):
+def test_spark_generate_cli(spark):
     _, out, _, _ = spark
     p = run_cli("sparkq", "generate", out, "Hello", "--max-new-tokens", "6", "--json")
     assert p.returncode == 0, p.stderr

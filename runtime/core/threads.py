@@ -29,32 +29,28 @@ def _cpus() -> set[int]:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
+def _task_files(name: str):
+    """The contents (bytes) of /proc/self/task/*/NAME, one per thread of this process (a thread that
+    ended meanwhile is skipped); OSError where /proc is not there."""
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/{name}", "rb") as f:
+                yield f.read()
+        except OSError:
+            continue
+
+
 def run_delay_ns() -> int:
     """Summed run-delay (ns) of this process's threads, or -1 where schedstat is unreadable."""
-    total = 0
     try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
+        return sum(int(b.split()[1]) for b in _task_files("schedstat"))
+    except (OSError, IndexError, ValueError):
         return -1
-    for t in tasks:
-        try:
-            with open(f"/proc/self/task/{t}/schedstat", "rb") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # a thread that ended meanwhile
-    return total
 
 
 def _runnable_own() -> int:
     """This process's threads runnable right now (state R in /proc/self/task/*/stat)"""
-    n = 0
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/stat", "rb") as f:
-                n += f.read().rsplit(b")", 1)[1].split()[0] == b"R"
-        except (OSError, IndexError):
-            continue
-    return n
+    return sum(b.rsplit(b")", 1)[1].split()[0] == b"R" for b in _task_files("stat"))
 
 
 def runnable_others() -> int:
@@ -62,8 +58,11 @@ def runnable_others() -> int:
     process's own (its tokenizer's pool may still be running); the median of five reads, so a
     passing thread, or one of ours changing state between the two reads, is not counted. 0 if
     unreadable."""
+    def running() -> int:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
     try:
-        got = sorted(int(open("/proc/loadavg").read().split()[3].split("/")[0]) - _runnable_own() for _ in range(5))
+        got = sorted(running() - _runnable_own() for _ in range(5))
     except (OSError, IndexError, ValueError):
         return 0
     return max(0, got[2])

@@ -196,8 +196,13 @@ static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
 static void attn_gate(const sq_model *m, const float *g, float *att) {
     const int64_t H = m->heads, D = m->head_dim, W = m->gate_width;
     if (!W) return;
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t d = 0; d < D; d++) att[h * D + d] *= 1.f / (1.f + expf(-g[h * W + (W == 1 ? 0 : d)]));
+    for (int64_t h = 0; h < H; h++) {
+        float s = 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            if (d == 0 || W > 1) s = 1.f / (1.f + expf(-g[h * W + (W == 1 ? 0 : d)])); /* once per gate value */
+            att[h * D + d] *= s;
+        }
+    }
 }
 
 
