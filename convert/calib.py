@@ -174,7 +174,9 @@ class Calibration:
 
     def _vec(self, name: str) -> torch.Tensor:
         parts = [self.source.read_rows(p, 0, self.source.shapes[p][0]) for p in self.srcs[name]]
-        return torch.cat(parts).float()
+        v = torch.cat(parts).float()
+        shapes = self.spec.vector_shapes()
+        return v.reshape(shapes[name]) if name in shapes else v  # (a conv weight [C, 1, K] as [C, K])
 
     def extend(self, x: torch.Tensor) -> int:
         """Append whole sequences (rows: a multiple of seq_len) to the stream, e.g. copies that will
@@ -199,9 +201,9 @@ class Calibration:
         layer, _, role = name.rpartition(".")
         if self.inp_of == name:  # asked again before the forward moved (key scaling, then the Hessian)
             return self.inp
-        if role in (C.ROLE_QKV, C.ROLE_GATE_UP) or name == C.ROLE_LM_HEAD:
+        if role in (C.ROLE_QKV, C.ROLE_GATE, C.ROLE_GATE_UP) or name == C.ROLE_LM_HEAD:
             self.inp = None  # before the next one is computed: one copy at a time
-        if role == C.ROLE_QKV:
+        if role in (C.ROLE_QKV, C.ROLE_GATE):  # (the gate reads the mixer's input too)
             self.inp = self.layers.attn_in(self.x, int(layer.split(".")[1]))
         elif role == C.ROLE_GATE_UP:
             self.inp = self.layers.mlp_in(self.x, int(layer.split(".")[1]))
@@ -275,7 +277,14 @@ class Calibration:
                 y[t0:t0 + step] = _mm(self.inp[t0:t0 + step].float(), w)
         y = self.perturb(name, self.inp, y)
         i = int(layer.split(".")[1])
-        if role == C.ROLE_QKV:
+        if role == C.ROLE_QKV and self.spec.mixers[i] == C.MIXER_GDN:
+            # the gate linear (z | b | a) from the mixer's input, its bf16 weight as stored (the
+            # pipeline quantizes it uncalibrated, as the attention output gate); each window from
+            # an empty state
+            zba = self.inp.float() @ self._vec(f"layers.{i}.{C.ROLE_GATE}").to(torch.bfloat16).float().T
+            n, t = self.seqs, self.seq_len
+            self.inp = self.layers.gdn(i, y.view(n, t, -1), zba.view(n, t, -1))[0].reshape(n * t, -1)
+        elif role == C.ROLE_QKV:
             g = None
             if self.spec.attn_gate:  # the output gate, from the attention's input (its bf16 weight as stored)
                 g = self.inp.float() @ self._vec(f"layers.{i}.{C.ROLE_GATE}").to(torch.bfloat16).float().T

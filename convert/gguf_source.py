@@ -1,11 +1,15 @@
 """GGUF input: tensors dequantized one at a time, mapped back to Hugging Face names.
 
-Every family sparkq runs: llama, mistral, qwen2, qwen3, gemma3, in the tensor layout llama.cpp's
-converter writes. Where that converter changed tensors, the change is undone so the result is the
-standard HF checkpoint: llama's q/k rows are permuted (interleaved RoPE halves) and Gemma's norm
-weights are stored as ``1 + w``. The config is rebuilt from the GGUF metadata (with llama.cpp's own
-defaults where it stores none: Gemma 3's local RoPE base and sliding-window pattern), the tokenizer
-and chat template by gguf_tokenizer.py. Any tensor type the ``gguf`` package dequantizes is read.
+Every family sparkq runs: llama, mistral, qwen2, qwen3, gemma3, ..., qwen35 (Qwen3.5's Gated
+DeltaNet hybrid), in the tensor layout llama.cpp's converter writes. Where that converter changed
+tensors, the change is undone so the result is the standard HF checkpoint: llama's q/k rows are
+permuted (interleaved RoPE halves); Gemma's and Qwen3.5's norm weights are stored as ``1 + w``;
+Qwen3.5's DeltaNet stores ``-exp(A_log)``, a squeezed conv weight and its value heads tiled
+(``h' = j * k_heads + g``) rather than grouped by key head (``h = g * ratio + j``), undone per
+tensor by a row (or column) map read in runs; its multi-token-prediction block is dropped. The
+config is rebuilt from the GGUF metadata (with llama.cpp's own defaults where it stores none:
+Gemma 3's local RoPE base and sliding-window pattern), the tokenizer and chat template by
+gguf_tokenizer.py. Any tensor type the ``gguf`` package dequantizes is read.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from sparkq.formats.tensorfile import TensorFileWriter
 from tqdm import tqdm
 
 from .errors import ConvertError
+from .gguf_qwen35 import qwen35_config, qwen35_maps
 from .gguf_tokenizer import tokenizer_files
 from .output import atomic_dir, carry_files
 from .source import Source
@@ -47,7 +52,15 @@ LAYER_MAPS = {  # GGUF block tensor -> HF module under model.layers.N, per archi
     "olmo2": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "gemma3": {**_COMMON, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    # Qwen3.5 (llama.cpp's Qwen3_5TextModel): post_attention_norm is the pre-MLP norm; the Gated
+    # DeltaNet's tensors under ssm_* / attn_qkv / attn_gate (ssm_a and ssm_dt.bias: LAYER_WHOLE)
+    "qwen35": {**_COMMON, "post_attention_norm": "post_attention_layernorm",
+               "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+               "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+               "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
 }
+# GGUF block tensors named whole (no .weight suffix to carry over) -> HF parameter under model.layers.N
+LAYER_WHOLE = {"qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}}
 GLOBAL_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF architecture -> (HF architecture, model_type, layer map, q/k permuted by llama.cpp, norms stored as 1 + w)
 ARCHS = {
@@ -60,7 +73,14 @@ ARCHS = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", "llama", True, False),
     "granite": ("GraniteForCausalLM", "granite", "llama", True, False),  # (Granite 4.0 dense too, split MLP)
     "olmo2": ("Olmo2ForCausalLM", "olmo2", "olmo2", False, False),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", "qwen35", False, True),  # (the DeltaNet's ssm_norm: no 1 + w)
 }
+# GGUF architectures llama.cpp writes with mixture-of-experts MLPs only: refused by name (its
+# qwen3next converter has no dense MLP tensors; a dense Qwen3-Next cannot be written by it)
+MOE_ARCHS = {"qwen3next": "Qwen3-Next", "qwen35moe": "Qwen3.5-MoE"}
+# tensors read as fp32, never rounded through bf16: the DeltaNet's own parameters, fp32 in the
+# artifact (formats/spec.py vector_dtype) and in Qwen3.5's checkpoints (A_log, norm)
+FP32_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight", "linear_attn.norm.weight")
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # LongRoPE's, read into the config
 SMOLLM3_NOPE_STEP = 4  # llama.cpp: every 4th SmolLM3 layer has no RoPE (not stored in the file)
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: every 6th layer full attention (not stored in the file)
@@ -68,6 +88,9 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gem
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    whole = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if whole and whole.group(2) in LAYER_WHOLE.get(arch, {}):
+        return f"model.layers.{whole.group(1)}.{LAYER_WHOLE[arch][whole.group(2)]}"
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     layer_map = LAYER_MAPS[ARCHS[arch][2]]
@@ -93,12 +116,19 @@ class GGUFSource(Source):
         except Exception as e:  # the gguf package raises assorted errors on bad files
             raise ConvertError(f"{path}: not a readable GGUF file ({e.__class__.__name__}: {str(e)[:120]})") from None
         arch = self._field("general.architecture")
+        if arch in MOE_ARCHS:
+            raise ConvertError(f"{path}: GGUF architecture {arch!r} ({MOE_ARCHS[arch]}) has mixture-of-experts MLPs "
+                               "(ffn_*_exps tensors), which sparkq does not run; sparkq runs dense MLPs (qwen35: Qwen3.5)")
         if arch not in ARCHS:
             raise ConvertError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
         self.arch = arch
         _, _, _, self.permuted, self.norm_shift = ARCHS[arch]
         self.tensors, self.rope_factors = {}, {}
+        # llama.cpp counts a multi-token-prediction block (Qwen3.5's) as the last block(s): dropped
+        self.layers = int(self._field(f"{arch}.block_count")) - int(self._field(f"{arch}.nextn_predict_layers", 0))
         for t in self.reader.tensors:
+            if (m := re.match(r"blk\.(\d+)\.", t.name)) and int(m.group(1)) >= self.layers:
+                continue
             name = hf_name(t.name, arch)
             if name is None:
                 if t.name in ("rope_freqs.weight",):  # llama3 RoPE factors: rebuilt from rope_scaling
@@ -111,6 +141,12 @@ class GGUFSource(Source):
         config = self._config()
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in self.tensors.items()}
+        self.row_map, self.col_map = {}, {}
+        if arch == "qwen35":
+            for n in shapes:
+                if n.endswith("linear_attn.conv1d.weight") and len(shapes[n]) == 2:  # squeezed by llama.cpp
+                    shapes[n] = (shapes[n][0], 1, shapes[n][1])
+            self.row_map, self.col_map = qwen35_maps(config, shapes)
         super().__init__(config=config, shapes=shapes,
                          origin={"kind": "gguf", "id": path.name, "name": self._field("general.name", None),
                                  **({"license": lic} if (lic := self._field("general.license", None)) else {})},
@@ -145,7 +181,7 @@ class GGUFSource(Source):
         hidden = int(self._field(f"{a}.embedding_length"))
         head_dim = int(self._field(f"{a}.attention.key_length", 0)  # (Phi-3's rope dimension is its partial rotary's)
                        or (a != "phi3" and self._field(f"{a}.rope.dimension_count", 0)) or hidden // heads)
-        layers = int(self._field(f"{a}.block_count"))
+        layers = self.layers
         vocab = len(f["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in f else int(self._field(f"{a}.vocab_size"))
         config = {
             "architectures": [hf_arch],
@@ -156,7 +192,8 @@ class GGUFSource(Source):
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
             "head_dim": head_dim,
-            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            # (a float32 in the file: its shortest decimal, the checkpoint's 1e-05 rather than 9.9999997e-06)
+            "rms_norm_eps": float(str(np.float32(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)))),
             "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
             "vocab_size": vocab,
@@ -192,6 +229,8 @@ class GGUFSource(Source):
                             ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling")):
                 if (v := self._field(f"{a}.{key}", None)) is not None:
                     config[hf] = float(v)
+        elif a == "qwen35":
+            qwen35_config(self._field, a, config, self.tensors)
         if a in ("llama", "mistral"):
             config.update(attention_bias=False, mlp_bias=False)
             if a == "mistral":
@@ -238,30 +277,63 @@ class GGUFSource(Source):
         rows = t.data.shape[0] if t.data.ndim > 1 else 1
         arr = quants.dequantize(self._raw(t, 0, rows), t.tensor_type).astype(np.float32, copy=False)
         arr = arr.reshape(self.shapes[name])
+        if name in self.row_map:
+            arr = arr[self.row_map[name]]
+        if name in self.col_map:
+            arr = arr[:, self.col_map[name]]
+        if self.arch == "qwen35" and name.endswith("linear_attn.A_log"):
+            arr = np.log(-arr)  # ssm_a = -exp(A_log)
         if self.permuted and name.endswith("self_attn.q_proj.weight"):
             arr = unpermute(arr, self.heads)
         elif self.permuted and name.endswith("self_attn.k_proj.weight"):
             arr = unpermute(arr, self.kv_heads)
-        if self.norm_shift and name.endswith("norm.weight"):
+        if self._shifted(name):
             arr = arr - 1.0
         # rounded through bf16, so converting the GGUF directly gives the same artifact as
-        # converting its `sparkq import-gguf` checkpoint (the fidelity reference)
-        out = torch.from_numpy(np.require(arr, np.float32, ["C", "W"])).to(torch.bfloat16)
+        # converting its `sparkq import-gguf` checkpoint (the fidelity reference); fp32 parameters
+        # stay fp32 (both keep them so)
+        out = torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))
+        out = out if self.fp32(name) else out.to(torch.bfloat16)
         self._cache = (name, out)  # one tensor at a time
         return out
 
+    def _shifted(self, name: str) -> bool:
+        """A norm llama.cpp stored as 1 + w (Qwen3.5's DeltaNet norm excepted)."""
+        return self.norm_shift and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+
+    def fp32(self, name: str) -> bool:
+        """A tensor read (and imported) as fp32: the DeltaNet's parameters."""
+        return self.arch == "qwen35" and name.endswith(FP32_PARAMS)
+
+    def _rows(self, t, idx: np.ndarray) -> np.ndarray:
+        """The dequantized GGUF rows idx of tensor t, [len(idx), row], each run of consecutive rows
+        read at once."""
+        from gguf import quants
+
+        parts = []
+        for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):
+            a, b = int(run[0]), int(run[-1]) + 1
+            arr = quants.dequantize(self._raw(t, a, b), t.tensor_type)
+            parts.append(arr.astype(np.float32, copy=False).reshape(b - a, -1))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        """Rows [r0, r1) in fp32 (bf16-rounded). Only those rows are dequantized (every GGUF type
-        stores a row's blocks together), except llama's q/k, whose permutation spans a head."""
+        """Rows [r0, r1) in fp32 (bf16-rounded, but for the fp32 parameters). Only those rows are
+        dequantized (every GGUF type stores a row's blocks together), except llama's q/k, whose
+        permutation spans a head; Qwen3.5's value-reordered rows are read in runs of a head each."""
         t = self.tensors[name]
-        whole = len(self.shapes[name]) == 1 or self.norm_shift and name.endswith("norm.weight") or \
+        whole = len(self.shapes[name]) == 1 or self._shifted(name) or \
             self.permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
         if whole:
             return self._dequant(name)[r0:r1].to(torch.float32)
-        from gguf import quants
-
-        arr = quants.dequantize(self._raw(t, r0, r1), t.tensor_type).astype(np.float32, copy=False).reshape(r1 - r0, -1)
-        return torch.from_numpy(np.require(arr, np.float32, ["C", "W"])).to(torch.bfloat16).to(torch.float32)
+        if r1 <= r0:
+            return torch.empty(0, *self.shapes[name][1:])
+        idx = self.row_map[name][r0:r1] if name in self.row_map else np.arange(r0, r1)
+        arr = self._rows(t, idx)
+        if name in self.col_map:
+            arr = arr[:, self.col_map[name]]
+        out = torch.from_numpy(np.require(arr.reshape(r1 - r0, *self.shapes[name][1:]), np.float32, ["C", "W"]))
+        return out if self.fp32(name) else out.to(torch.bfloat16).to(torch.float32)
 
 
 def import_gguf(src: str, out: str, force: bool = False, progress: bool = True) -> dict:
@@ -272,12 +344,15 @@ def import_gguf(src: str, out: str, force: bool = False, progress: bool = True) 
     t0 = time.perf_counter()
     source = GGUFSource(p)
     names = sorted(source.shapes)
-    entries = [(n, C.DTYPE_BF16, source.shapes[n]) for n in names]
+    # (the DeltaNet's parameters fp32, as Qwen3.5's checkpoints have A_log and the norm)
+    f32 = {n for n in names if source.fp32(n)}
+    entries = [(n, C.DTYPE_F32 if n in f32 else C.DTYPE_BF16, source.shapes[n]) for n in names]
     with atomic_dir(out, force) as tmp:
         w = TensorFileWriter(str(tmp / "model.safetensors"), entries, {"format": "pt"})
         for n in tqdm(names, desc="import-gguf", disable=not progress, leave=False):
             rows = source.shapes[n][0]
-            w.put(n, source.read_rows(n, 0, rows).to(torch.bfloat16).contiguous().view(torch.uint8).numpy())
+            v = source.read_rows(n, 0, rows).to(torch.float32 if n in f32 else torch.bfloat16)
+            w.put(n, v.contiguous().view(torch.uint8).numpy())
             source.drop_cache()
         w.close()
         (tmp / C.CONFIG_FILE).write_text(json.dumps(source.config, indent=2, sort_keys=True))

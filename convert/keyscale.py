@@ -74,6 +74,8 @@ class KeyScaling:
 
     @staticmethod
     def unsupported(spec) -> str | None:
+        if any(m != C.MIXER_ATTENTION for m in spec.mixers):
+            return "layers other than attention (a hybrid model): not measured yet"
         if spec.qk_norm and spec.norm_offset:
             return "q/k norms with a (1 + w) offset: a power of two is not exact there"
         if spec.qk_norm and spec.qk_norm_full:

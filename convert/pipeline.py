@@ -114,11 +114,12 @@ def convert(src: str, out: str, opts: Options) -> dict:
                                 with cal_time():
                                     scaling.measure(base, cal, i)
                                 layer_seen = i
-                        if item not in by_name:  # a norm or bias
+                        if item not in by_name:  # a norm or bias (bf16), or a mixer's parameter (fp32, as read)
                             parts = [source.read_rows(p, 0, source.shapes[p][0]) for p in srcs[item]]
-                            v = torch.cat(parts).to(torch.bfloat16)
-                            w.put(item, v.view(torch.uint8).numpy())
-                            bar.update(v.numel() * 2)
+                            f32 = spec.vector_dtype(item) == C.DTYPE_F32
+                            v = torch.cat(parts).reshape(vectors[item]).to(torch.float32 if f32 else torch.bfloat16)
+                            w.put(item, v.contiguous().view(torch.uint8).numpy())
+                            bar.update(v.numel() * v.element_size())
                             continue
                         # (the calibration forward applies the output gate from its bf16 source rows itself)
                         lin = by_name[item]

@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import replace
 
+import torch
 from sparkq.formats import constants as C
 from sparkq.formats.kinds import choose_group_size, linear_tensors, role_of
 from sparkq.formats.layout import ROWS32
@@ -77,6 +78,11 @@ def plan(source: Source, opts: Options):
                                    residual_rows=rrows if rrows is not None and rrows < n else None))
     vectors = spec.vector_shapes()
     for name, shape in vectors.items():
+        if spec.vector_dtype(name) == C.DTYPE_F32:  # a mixer's parameter: one tensor, any shape of its size
+            p = srcs[name][0]
+            if len(srcs[name]) != 1 or torch.Size(source.shapes[p]).numel() != torch.Size(shape).numel():
+                raise ConvertError(f"source tensor {p} has shape {list(source.shapes[p])}, expected {list(shape)}")
+            continue
         got = sum(source.shapes[p][0] for p in srcs[name] if len(source.shapes[p]) == 1)
         if got != shape[0] or any(len(source.shapes[p]) != 1 for p in srcs[name]):
             raise ConvertError(f"source tensor(s) {', '.join(srcs[name])} have shape(s) "
@@ -90,7 +96,7 @@ def file_order(linears: list[LinearEntry], vectors: dict, spec: ModelSpec):
     order = []
     for i in range(spec.layers):
         layer_vectors = [n for n in vectors if n.startswith(f"layers.{i}.")]
-        order += layer_vectors + [f"layers.{i}.{role}" for role in spec.layer_roles]
+        order += layer_vectors + [f"layers.{i}.{role}" for role in spec.roles(i)]
     order += ["norm.weight"] + ([C.ROLE_EMBED] if not spec.tied else []) + [C.ROLE_LM_HEAD]
     entries = []
     for item in order:
@@ -100,7 +106,7 @@ def file_order(linears: list[LinearEntry], vectors: dict, spec: ModelSpec):
                                                l.residual_rows).items():
                 entries.append((t, dt, shp))
         else:
-            entries.append((item, C.DTYPE_BF16, vectors[item]))
+            entries.append((item, spec.vector_dtype(item), vectors[item]))
     return entries, order
 
 

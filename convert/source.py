@@ -16,6 +16,7 @@ import torch
 from sparkq.formats import constants as C
 from sparkq.formats.recipe import SpecError, text_model_view, wrapper_architecture
 from sparkq.formats.tensorfile import TensorFileError, read_header
+from sparkq.formats.views import runs_between, views
 from sparkq.runtime.hub import HubError, is_repo_id, snapshot, split_repo
 
 from .errors import ConvertError
@@ -177,8 +178,41 @@ def text_model(source: Source) -> Source:
     return TextOnlySource(source, arch) if arch else source
 
 
+class ViewSource(Source):
+    """A source with its family's derived tensors beside its own (formats/views.py)."""
+
+    def __init__(self, base: Source, views: dict):
+        self.base, self.views = base, views
+        super().__init__(config=base.config, shapes={**base.shapes, **{n: v[0] for n, v in views.items()}},
+                         origin=base.origin, directory=base.directory, extra_files=base.extra_files)
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        if name not in self.views:
+            return self.base.read_rows(name, r0, r1)
+        parts = [self.base.read_rows(n, a, b) for n, a, b in runs_between(self.views[name][1], r0, r1)]
+        return torch.cat(parts) if parts else torch.empty(0, *self.views[name][0][1:])
+
+    def nbytes(self, name: str) -> int:
+        return sum(self.base.nbytes(n) * (b - a) // self.base.shapes[n][0] for n, a, b in self.views[name][1]) \
+            if name in self.views else self.base.nbytes(name)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def with_views(source: Source) -> Source:
+    """The source with its family's derived tensors (formats/views.py), where it has any."""
+    from sparkq.formats.recipe import recipe_for_config
+    try:
+        family = recipe_for_config(source.config).family
+    except SpecError:
+        return source
+    v = views(family, source.config, source.shapes)
+    return ViewSource(source, v) if v else source
+
+
 def open_source(src: str) -> Source:
-    return text_model(_open_source(src))
+    return with_views(text_model(_open_source(src)))
 
 
 def _open_source(src: str) -> Source:

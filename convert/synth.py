@@ -38,6 +38,21 @@ SHAPES = {
                             "sliding_attention": {"rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
         "torch_dtype": "bfloat16",
     },
+    # Qwen3.5 (Gated DeltaNet hybrids), their text models as published in the
+    # Qwen3_5ForConditionalGeneration checkpoints: three DeltaNet layers (16 key / 16 value heads of
+    # 128, conv kernel 4) before each gated full-attention layer (head_dim 256, rotary 0.25), a tied
+    # 248320-row embedding. 0.8B: Qwen/Qwen3.5-0.8B's config.json; 2B: hidden 2048 and the
+    # family's layout as published, its MLP width and layer count as the 0.8B's ratios give them
+    "qwen3.5-0.8b": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 1024,
+        "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "vocab_size": 248320, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "hidden_act": "silu", "attn_output_gate": True, "torch_dtype": "bfloat16",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -46,6 +61,8 @@ SHAPES = {
     },
 }
 
+
+SHAPES["qwen3.5-2b"] = {**SHAPES["qwen3.5-0.8b"], "hidden_size": 2048, "intermediate_size": 6144}
 
 # shape -> the chat template (convert/data/) its checkpoint carries
 TEMPLATES = {"spark-x2.5-1.7b": "spark2_5_chat_template.jinja"}
@@ -71,9 +88,13 @@ def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bo
     shapes: dict[str, tuple[int, ...]] = {}
     for lin, (n, k) in spec.linear_shapes().items():
         for src, rows in zip(names[lin], spec.part_rows(lin, len(names[lin]))):
-            shapes[src] = (rows, k)
+            base = src.split(":")[0]  # a view's rows (formats/views.py) live in its checkpoint tensor
+            shapes[base] = (shapes[base][0] + rows, k) if base != src and base in shapes else (rows, k)
     for vec, shp in spec.vector_shapes().items():
         for src in names[vec]:
+            if spec.vector_dtype(vec) == C.DTYPE_F32:  # a DeltaNet parameter, as the checkpoint holds it
+                shapes[src] = (shp[0], 1, shp[1]) if len(shp) == 2 else shp
+                continue
             shapes[src] = (shp[0] // len(names[vec]),)
     entries = [(n, C.DTYPE_BF16, s) for n, s in sorted(shapes.items())]
     g = torch.Generator().manual_seed(seed)
@@ -87,7 +108,9 @@ def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bo
                 step = max(1, (8 << 20) // max(1, torch.Size(shp[1:]).numel()))
                 for r0 in range(0, rows, step):
                     r = min(rows, r0 + step) - r0
-                    if len(shp) == 1:
+                    if name.endswith(("A_log", "dt_bias")):  # a slow decay, as trained DeltaNets have
+                        t = (0.5 if name.endswith("A_log") else -3.0) + 0.3 * torch.randn(r, generator=g)
+                    elif len(shp) == 1:
                         t = 1.0 + 0.1 * torch.randn(r, generator=g)
                     else:
                         t = torch.randn(r, *shp[1:], generator=g) * (shp[1] ** -0.5)

@@ -146,7 +146,7 @@ class Artifact:
                 raise ArtifactError(f"{path}: {err}") from None
             linears[name] = e
         for name, shape in spec.vector_shapes().items():
-            expected[name] = (C.DTYPE_BF16, shape)
+            expected[name] = (spec.vector_dtype(name), shape)
         for name, (dtype, shape) in expected.items():
             t = infos.get(name)
             if t is None:

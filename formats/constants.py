@@ -95,6 +95,14 @@ LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)  # every layer's
 HEAD_ROLES = (ROLE_LM_HEAD, ROLE_EMBED)  # the (tied) embedding/head
 ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES
 LAYER_NORMS = ("attn_norm", "mlp_norm")
+DTYPE_F32 = "F32"
+
+# Layer mixers (formats/mixers.py): what mixes a layer's tokens before its MLP
+MIXER_ATTENTION = "attention"  # softmax attention over the KV cache (full or sliding)
+MIXER_GDN = "gdn"              # Gated DeltaNet: a short conv and a delta-rule recurrent state (Qwen3.5, OLMo Hybrid)
+# a Gated DeltaNet layer's parameters, fp32 in the artifact (never quantized; layers.L.<name>)
+GDN_CONV, GDN_A_LOG, GDN_DT_BIAS, GDN_NORM = "conv.weight", "a_log", "dt_bias", "gnorm.weight"
+GDN_PARAMS = (GDN_CONV, GDN_A_LOG, GDN_DT_BIAS, GDN_NORM)
 
 KIND_INT4 = "int4"
 KIND_LUT4 = "lut4"  # 4-bit codes into a learned 16-level table per row (rows32 only; see above)

@@ -38,6 +38,8 @@ class Recipe:
     # fields, every other field of a config is refused by name (COMMON_CONFIG_KEYS aside)
     config_defaults: tuple = ()
     config_known: tuple[str, ...] = ()
+    # [layer.<mixer>] tables: a mixer's own names for its layers' tensors (formats/mixers.py), over [layer]'s
+    mixer_names: tuple = ()
 
     def feature(self, name: str):
         return dict(self.features).get(name, FEATURES[name])
@@ -55,12 +57,18 @@ class Recipe:
         cycle = defaults.pop("layer_types_cycle", None)
         for k, v in defaults.items():
             out.setdefault(k, v)
-        if cycle and "layer_types" not in out and type(out.get("num_hidden_layers")) is int:
-            out["layer_types"] = [cycle[i % len(cycle)] for i in range(out["num_hidden_layers"])]
+        if "layer_types" not in out and type(out.get("num_hidden_layers")) is int:
+            every = out.get("full_attention_interval")
+            if type(every) is int and every > 0:  # Qwen3.5 / Qwen3-Next: every n-th layer attention, the rest DeltaNet
+                out["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                      for i in range(out["num_hidden_layers"])]
+            elif cycle:
+                out["layer_types"] = [cycle[i % len(cycle)] for i in range(out["num_hidden_layers"])]
         return out
 
-    def layer_sources(self, role: str, i: int) -> list[str]:
-        v = self.layer_names[role]
+    def layer_sources(self, role: str, i: int, mixer: str | None = None) -> list[str]:
+        own = dict(self.mixer_names).get(mixer, {})
+        v = own[role] if role in own else self.layer_names[role]
         names = v if isinstance(v, list) else [v]
         pre = self.layer_prefix.format(i=i)
         return [pre + n for n in names]
@@ -70,11 +78,14 @@ class Recipe:
         fusion order; fused vectors such as the qkv bias are concatenated)."""
         out: dict[str, list[str]] = {}
         for i in range(spec.layers):
-            for role in spec.layer_roles:
-                out[f"layers.{i}.{role}"] = self.layer_sources(role, i)
-            for role in spec.layer_norms:
-                out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, i)
-            if spec.qkv_bias:
+            mixer = spec.mixers[i]
+            for role in spec.roles(i):
+                out[f"layers.{i}.{role}"] = self.layer_sources(role, i, mixer)
+            for role in spec.norms(i):
+                out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, i, mixer)
+            for name in spec.params(i):
+                out[f"layers.{i}.{name}"] = self.layer_sources(name, i, mixer)
+            if spec.qkv_bias and mixer == C.MIXER_ATTENTION:
                 out[f"layers.{i}.qkv.bias"] = self.layer_sources("qkv_bias", i)
         out["norm.weight"] = [self.global_names["norm"]]
         if spec.tied:
@@ -99,6 +110,9 @@ FEATURES = {
     # times each head's output before o; "head": one scalar per query head (Spark2_5's g_proj, on
     # where the config's headwise_attn_output_gate is), "channel": one per output channel
     "attn_gate": "none",
+    "linear_attention": False,  # Gated DeltaNet layers (layer type linear_attention; formats/mixers.py)
+    "gdn_norm_eps": 0.0,      # the Gated DeltaNet output norm's eps (0: rms_norm_eps; OLMo Hybrid fixes 1e-5)
+    "rope_optional": False,   # rope_theta: null means no RoPE (OLMo Hybrid 7B), not the default theta
 }
 ACTS = ("silu", "gelu_tanh", "gelu")
 GATES = ("none", "head", "channel")
@@ -152,7 +166,8 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             architectures=tuple(d["architectures"]),
             global_names=dict(d["global"]),
             layer_prefix=d["layer"]["prefix"],
-            layer_names={k: v for k, v in d["layer"].items() if k != "prefix"},
+            layer_names={k: v for k, v in d["layer"].items() if k != "prefix" and not isinstance(v, dict)},
+            mixer_names=tuple(sorted((k, v) for k, v in d["layer"].items() if isinstance(v, dict))),
             group_size=_group_size(q.get("group_size", 128), path, "group_size"),
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
             keep_bf16=_roles(q.get("keep_bf16", []), "keep_bf16", path),
@@ -210,6 +225,8 @@ TEXT_MODELS = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text",
                                        (("language_model.model.", "language_model.lm_head."),
                                         ("model.language_model.", "lm_head."))),
+    # (its multi-token-prediction head, mtp.*, is dropped with the vision tower)
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text", (("model.language_model.", "lm_head."),)),
 }
 
 
@@ -240,4 +257,6 @@ def text_model_view(config: dict, names) -> tuple[dict, dict[str, str]]:
             out["model." + n[len(model_prefix):]] = n
         elif n.startswith(head_prefix):
             out["lm_head." + n[len(head_prefix):]] = n
+    if "lm_head.weight" not in out:  # no head of its own: the embedding is the head, whatever the config says
+        text["tie_word_embeddings"] = True
     return text, out

@@ -130,3 +130,52 @@ def rope_tables_bf16(spec: "ModelSpec", max_len: int, rotary_dim: int, theta: fl
         cos[p0:p1, :half], cos[p0:p1, half:] = c, c
         sin[p0:p1, :half], sin[p0:p1, half:] = s, s
     return cos, sin
+
+
+# -- the config's RoPE fields (ModelSpec.from_config) --
+
+def flat_rope(cfg: dict) -> dict:
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and not any(isinstance(v, dict) for v in rp.values()):
+        return rp
+    if isinstance(rp, dict):
+        return rp.get("full_attention") or {}
+    return {}
+
+
+def rope_scaling_by_type(cfg: dict) -> dict:
+    """layer type -> its RoPE scaling (None: unscaled), where the config gives one per type:
+    ``rope_parameters`` keyed by layer type, or Gemma3's older ``rope_scaling`` (its global layers)
+    beside ``rope_local_base_freq`` (its local ones, unscaled); {} otherwise."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
+        return {t: (v if v.get("rope_type", "default") not in (None, "default") else None)
+                for t, v in rp.items() if isinstance(v, dict)}
+    if cfg.get("rope_local_base_freq") and cfg.get("rope_scaling"):
+        return {"full_attention": cfg["rope_scaling"], "sliding_attention": None}
+    return {}
+
+
+def rope_by_type(cfg: dict, head_dim: int) -> tuple:
+    """((layer type, theta, rotary dim), ...) from the config's RoPE fields.
+
+    Reads transformers-5 style ``rope_parameters`` (flat, or keyed by layer type, each with
+    optional ``partial_rotary_factor``), the older ``rope_theta`` / ``rope_local_base_freq``
+    (Gemma3) and a top-level ``partial_rotary_factor``."""
+    rp = cfg.get("rope_parameters")
+    top_factor = float(cfg.get("partial_rotary_factor", 1.0))
+    base = float(cfg.get("rope_theta") or 10000.0)
+    out = {}
+    if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
+        for t, v in rp.items():
+            if isinstance(v, dict):
+                f = float(v.get("partial_rotary_factor", top_factor))
+                out[t] = (float(v.get("rope_theta", base)), int(head_dim * f) // 2 * 2)
+    else:
+        if isinstance(rp, dict):
+            base = float(rp.get("rope_theta", base))
+            top_factor = float(rp.get("partial_rotary_factor", top_factor))
+        out["full_attention"] = (base, int(head_dim * top_factor) // 2 * 2)
+        if cfg.get("rope_local_base_freq"):
+            out["sliding_attention"] = (float(cfg["rope_local_base_freq"]), out["full_attention"][1])
+    return tuple(sorted((t, th, rd) for t, (th, rd) in out.items()))

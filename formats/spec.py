@@ -7,7 +7,9 @@ import json
 from dataclasses import dataclass, field
 
 from . import constants as C
+from .mixers import BY_LAYER_TYPE, MIXERS, GDNShape, gdn_shape
 from .recipe import FEATURES, Recipe, SpecError  # noqa: F401  (SpecError: re-exported)
+from .rope import flat_rope, rope_by_type, rope_scaling_by_type
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,43 @@ class ModelSpec:
     # the attention output gate's width per query head (the `gate` linear has heads * attn_gate
     # rows): 0 none, 1 one scalar per head (Spark2_5), head_dim one per channel (Qwen3-Next style)
     attn_gate: int = 0
+    gdn: GDNShape | None = None  # the Gated DeltaNet layers' geometry (layer type linear_attention)
+
+    @property
+    def mixers(self) -> tuple[str, ...]:
+        """Each layer's mixer (formats/mixers.py): attention, or gdn for linear_attention layers."""
+        if not self.layer_types:
+            return (C.MIXER_ATTENTION,) * self.layers
+        return tuple(BY_LAYER_TYPE[t].name for t in self.layer_types)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache (attention); the runtimes' caches hold these, in order."""
+        return tuple(i for i, m in enumerate(self.mixers) if m == C.MIXER_ATTENTION)
+
+    def roles(self, i: int) -> tuple[str, ...]:
+        """Layer i's linears, in the order the layer runs them (a gate reads the mixer's input)."""
+        return tuple(MIXERS[self.mixers[i]].linears(self)) + (C.ROLE_GATE_UP, C.ROLE_DOWN)
 
     @property
     def layer_roles(self) -> tuple[str, ...]:
-        """Each layer's linears, in the order a layer runs them (the gate reads the attention's input)."""
-        return ((C.ROLE_GATE,) if self.attn_gate else ()) + C.LAYER_LINEARS
+        """The linears of an attention layer (every layer's, in a model without other mixers)."""
+        return tuple(MIXERS[C.MIXER_ATTENTION].linears(self)) + (C.ROLE_GATE_UP, C.ROLE_DOWN)
+
+    def norms(self, i: int) -> tuple[str, ...]:
+        """Layer i's norm vectors (layers.i.<name>.weight)."""
+        return MIXERS[self.mixers[i]].norms(self)
+
+    def has_norm(self, i: int, name: str) -> bool:
+        return name in self.norms(i)
+
+    def params(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Layer i's fp32 parameters (a Gated DeltaNet layer's conv, decay and gated norm): name -> shape."""
+        return MIXERS[self.mixers[i]].params(self)
+
+    def vector_dtype(self, name: str) -> str:
+        """The artifact dtype of a vector_shapes() tensor: fp32 for a mixer's parameters, else bf16."""
+        return C.DTYPE_F32 if name.split(".", 2)[-1] in C.GDN_PARAMS and name.startswith("layers.") else C.DTYPE_BF16
 
     @property
     def embed_mult(self) -> float | None:
@@ -104,7 +138,8 @@ class ModelSpec:
     def from_config(cls, cfg: dict, family: str = "llama", *, qk_norm: bool = False, qkv_bias: bool = False,
                     norm_offset: bool = False, sandwich_norms: bool = False, embed_scale: bool = False,
                     act: str = "silu", pre_norms: bool = True, qk_norm_full: bool = False,
-                    attn_gate: str = "none") -> "ModelSpec":
+                    attn_gate: str = "none", linear_attention: bool = False, gdn_norm_eps: float = 0.0,
+                    rope_optional: bool = False) -> "ModelSpec":
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
@@ -123,10 +158,10 @@ class ModelSpec:
                 vocab=int(cfg["vocab_size"]),
                 tied=bool(cfg.get("tie_word_embeddings", False)),
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta") or _flat_rope(cfg).get("rope_theta") or 10000.0),
+                rope_theta=float(cfg.get("rope_theta") or flat_rope(cfg).get("rope_theta") or 10000.0),
                 max_position=int(cfg.get("max_position_embeddings", 2048)),
                 rope_scaling=cfg.get("rope_scaling") or (
-                    _flat_rope(cfg) if _flat_rope(cfg).get("rope_type") not in (None, "default") else None),
+                    flat_rope(cfg) if flat_rope(cfg).get("rope_type") not in (None, "default") else None),
                 qk_norm=qk_norm,
                 qkv_bias=qkv_bias,
                 sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) else None,
@@ -135,8 +170,8 @@ class ModelSpec:
                 embed_scale=embed_scale,
                 act=act,
                 layer_types=_layer_types(cfg),
-                rope_by_type=_rope_by_type(cfg, hidden // heads if not cfg.get("head_dim") else int(cfg["head_dim"])),
-                rope_scaling_by_type=_rope_scaling_by_type(cfg),
+                rope_by_type=rope_by_type(cfg, hidden // heads if not cfg.get("head_dim") else int(cfg["head_dim"])),
+                rope_scaling_by_type=rope_scaling_by_type(cfg),
                 attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else
                 float(cfg["attention_multiplier"]) if cfg.get("attention_multiplier") is not None else None,
                 final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
@@ -145,10 +180,11 @@ class ModelSpec:
                 embedding_multiplier=_multiplier(cfg, "embedding_multiplier"),
                 residual_multiplier=_multiplier(cfg, "residual_multiplier") or 1.0,
                 logits_divisor=_multiplier(cfg, "logits_scaling") or 1.0,
-                nope_layers=_nope_layers(cfg),
+                nope_layers=_nope_layers(cfg, rope_optional),
                 original_max_position=int(cfg["original_max_position_embeddings"])
                 if cfg.get("original_max_position_embeddings") else None,
                 attn_gate=_gate_width(cfg, attn_gate),
+                gdn=gdn_shape(cfg, gdn_norm_eps) if linear_attention else None,
             )
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
@@ -165,9 +201,9 @@ class ModelSpec:
         if not (spec.rms_eps > 0 and spec.rope_theta > 0):
             raise SpecError("config.json: rms_norm_eps and rope_theta must be positive")
         _check_implemented(cfg, spec)
-        if spec.layer_types and (len(spec.layer_types) != spec.layers or
-                                 set(spec.layer_types) - {"full_attention", "sliding_attention"}):
-            raise SpecError("config.json: layer_types must list full_attention/sliding_attention for every layer")
+        known = {"full_attention", "sliding_attention"} | ({"linear_attention"} if spec.gdn else set())
+        if spec.layer_types and (len(spec.layer_types) != spec.layers or set(spec.layer_types) - known):
+            raise SpecError(f"config.json: layer_types must list {'/'.join(sorted(known))} for every layer")
         if "sliding_attention" in spec.layer_types and not spec.sliding_window:
             raise SpecError("config.json: sliding_attention layers need a positive sliding_window")
         for t, theta, rot in spec.rope_by_type:
@@ -201,10 +237,8 @@ class ModelSpec:
         """Artifact linear name -> (N, K)."""
         out = {}
         for i in range(self.layers):
-            if self.attn_gate:
-                out[f"layers.{i}.gate"] = (self.heads * self.attn_gate, self.hidden)
-            out[f"layers.{i}.qkv"] = (self.q_dim + 2 * self.kv_dim, self.hidden)
-            out[f"layers.{i}.o"] = (self.hidden, self.q_dim)
+            for role, shape in MIXERS[self.mixers[i]].linears(self).items():
+                out[f"layers.{i}.{role}"] = shape
             out[f"layers.{i}.gate_up"] = (2 * self.intermediate, self.hidden)
             out[f"layers.{i}.down"] = (self.hidden, self.intermediate)
         if not self.tied:
@@ -218,6 +252,13 @@ class ModelSpec:
         if parts == 1:
             return [self.linear_shapes()[name][0]]
         role = name.rsplit(".", 1)[-1]
+        mixer = self.mixers[int(name.split(".")[1])] if name.startswith("layers.") else None
+        if mixer == C.MIXER_GDN:
+            g = self.gdn
+            if role == C.ROLE_QKV:
+                return [g.key_dim, g.key_dim, g.value_dim]
+            if role == C.ROLE_GATE:
+                return [g.value_dim, g.v_heads, g.v_heads]
         if role == C.ROLE_QKV:
             return [self.q_dim, self.kv_dim, self.kv_dim]
         if role == C.ROLE_GATE_UP:
@@ -230,13 +271,15 @@ class ModelSpec:
         return (self.hidden,)
 
     def vector_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Artifact norm / bias tensor name -> shape (all bf16)."""
+        """Artifact norm / bias / mixer parameter tensor name -> shape (bf16, or fp32: vector_dtype)."""
         out = {}
         for i in range(self.layers):
-            for n in self.layer_norms:
+            for n in self.norms(i):
                 out[f"layers.{i}.{n}.weight"] = self._norm_shape(n)
-            if self.qkv_bias:
+            if self.qkv_bias and self.mixers[i] == C.MIXER_ATTENTION:
                 out[f"layers.{i}.qkv.bias"] = (self.q_dim + 2 * self.kv_dim,)
+            for n, shape in self.params(i).items():
+                out[f"layers.{i}.{n}"] = shape
         out["norm.weight"] = (self.hidden,)
         return out
 
@@ -263,9 +306,12 @@ def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
     if cfg.get("attn_logit_softcapping"):
         raise SpecError("config.json: attn_logit_softcapping (soft-capped attention scores) is not implemented")
     types = set(cfg.get("layer_types") or cfg.get("layers_block_type") or ())
-    if types & {"mamba", "linear_attention"}:
+    if "mamba" in types:
         raise SpecError("config.json: layer_types has mamba layers (a hybrid state-space model): not implemented; "
-                        "sparkq runs the configs whose layers are all attention")
+                        "sparkq runs attention and Gated DeltaNet (linear_attention) layers")
+    if "linear_attention" in types and spec.gdn is None:
+        raise SpecError(f"config.json: layer_types has linear_attention layers, which the {spec.family} recipe does "
+                        "not implement (sparkq runs them as Qwen3.5 / OLMo Hybrid Gated DeltaNet layers)")
     moe = next((f for f in MOE_FIELDS if cfg.get(f)), None)
     if moe:
         raise SpecError(f"config.json: {moe}={cfg[moe]} (mixture-of-experts MLPs) is not implemented; sparkq runs "
@@ -302,8 +348,12 @@ def _multiplier(cfg: dict, key: str) -> float | None:
     return None if v == 1.0 else v
 
 
-def _nope_layers(cfg: dict) -> tuple[int, ...]:
-    """The layers without RoPE: SmolLM3's no_rope_layers (one flag per layer, 0: no RoPE)."""
+def _nope_layers(cfg: dict, rope_optional: bool = False) -> tuple[int, ...]:
+    """The layers without RoPE: SmolLM3's no_rope_layers (one flag per layer, 0: no RoPE); every
+    layer where the family's RoPE is optional and the config names no theta (OLMo Hybrid 7B's
+    ``rope_theta: null``: transformers builds no rotary embedding)."""
+    if rope_optional and "rope_theta" in cfg and cfg["rope_theta"] is None and not flat_rope(cfg).get("rope_theta"):
+        return tuple(range(int(cfg["num_hidden_layers"])))
     if "position_embedding_type" in cfg and cfg["position_embedding_type"] != "rope":  # GraniteMoeHybrid: NoPE
         return tuple(range(int(cfg["num_hidden_layers"])))
     flags = cfg.get("no_rope_layers")
@@ -315,50 +365,3 @@ def _nope_layers(cfg: dict) -> tuple[int, ...]:
     if not isinstance(flags, list) or any(f not in (0, 1) for f in flags):
         raise SpecError("config.json: no_rope_layers must list 0 or 1 per layer")
     return tuple(i for i, f in enumerate(flags) if f == 0)
-
-
-def _flat_rope(cfg: dict) -> dict:
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and not any(isinstance(v, dict) for v in rp.values()):
-        return rp
-    if isinstance(rp, dict):
-        return rp.get("full_attention") or {}
-    return {}
-
-
-def _rope_scaling_by_type(cfg: dict) -> dict:
-    """layer type -> its RoPE scaling (None: unscaled), where the config gives one per type:
-    ``rope_parameters`` keyed by layer type, or Gemma3's older ``rope_scaling`` (its global layers)
-    beside ``rope_local_base_freq`` (its local ones, unscaled); {} otherwise."""
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
-        return {t: (v if v.get("rope_type", "default") not in (None, "default") else None)
-                for t, v in rp.items() if isinstance(v, dict)}
-    if cfg.get("rope_local_base_freq") and cfg.get("rope_scaling"):
-        return {"full_attention": cfg["rope_scaling"], "sliding_attention": None}
-    return {}
-
-
-def _rope_by_type(cfg: dict, head_dim: int) -> tuple:
-    """((layer type, theta, rotary dim), ...) from the config's RoPE fields.
-
-    Reads transformers-5 style ``rope_parameters`` (flat, or keyed by layer type, each with
-    optional ``partial_rotary_factor``), the older ``rope_theta`` / ``rope_local_base_freq``
-    (Gemma3) and a top-level ``partial_rotary_factor``."""
-    rp = cfg.get("rope_parameters")
-    top_factor = float(cfg.get("partial_rotary_factor", 1.0))
-    base = float(cfg.get("rope_theta") or 10000.0)
-    out = {}
-    if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
-        for t, v in rp.items():
-            if isinstance(v, dict):
-                f = float(v.get("partial_rotary_factor", top_factor))
-                out[t] = (float(v.get("rope_theta", base)), int(head_dim * f) // 2 * 2)
-    else:
-        if isinstance(rp, dict):
-            base = float(rp.get("rope_theta", base))
-            top_factor = float(rp.get("partial_rotary_factor", top_factor))
-        out["full_attention"] = (base, int(head_dim * top_factor) // 2 * 2)
-        if cfg.get("rope_local_base_freq"):
-            out["sliding_attention"] = (float(cfg["rope_local_base_freq"]), out["full_attention"][1])
-    return tuple(sorted((t, th, rd) for t, (th, rd) in out.items()))

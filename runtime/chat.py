@@ -46,7 +46,8 @@ class ChatSession:
         if room < 1:
             raise RuntimeUserError(f"the conversation is {len(ids)} tokens, the KV cache holds {self.capacity()}: "
                                    "/reset, or raise --kv-budget-mib / --max-model-len")
-        reuse = min(common_prefix(self.cached, ids), len(ids) - 1)
+        # (a hybrid model's recurrent state continues only from where it stands: the whole history)
+        reuse = self.gen.resumable(min(common_prefix(self.cached, ids), len(ids) - 1), len(self.cached))
         new: list[int] = []
         shown, out = 0, ""
         self.last = {"prompt_tokens": len(ids), "prefilled": len(ids) - reuse, "new_tokens": 0, "interrupted": False}

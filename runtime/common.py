@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .hub import is_repo_id
+from sparkq.formats.mixers import state_bytes
 from sparkq.formats.spec import ModelSpec
 
 from .errors import RuntimeUserError
@@ -48,7 +49,7 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = DEFAULT_KV_DTYPE) -> int
     """K and V of one position in every layer, as both runtimes allocate them: bf16 rows, or
     int8 rows and one bf16 scale each."""
     row = spec.head_dim * 2 if check_kv_dtype(kv_dtype) == "bf16" else spec.head_dim + 2
-    return 2 * spec.layers * spec.kv_heads * row
+    return 2 * len(spec.kv_layers) * spec.kv_heads * row
 
 
 @dataclass
@@ -74,6 +75,15 @@ def resolve(path_or_repo: str, layouts: list[str] | None = None) -> tuple[Path, 
     raise RuntimeUserError(f"{path_or_repo}: no such directory (and not a Hub repo id org/name[@revision])")
 
 
+def by_layer(spec: ModelSpec, caches) -> list | None:
+    """Per layer: its slice of a cache array over the attention layers (spec.kv_layers), None for a
+    layer without KV (another mixer); None stays None."""
+    if caches is None:
+        return None
+    index = {layer: j for j, layer in enumerate(spec.kv_layers)}
+    return [caches[index[i]] if i in index else None for i in range(spec.layers)]
+
+
 def kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
     if max_model_len <= 0:
         raise RuntimeUserError(f"max_model_len must be positive, got {max_model_len}")
@@ -83,9 +93,12 @@ def kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float, kv_dt
         raise RuntimeUserError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                                f"{spec.max_position}; lower --max-model-len")
     per_tok = kv_bytes_per_token(spec, kv_dtype)
-    cap = min(max_model_len, int(kv_budget_mib * 2**20) // per_tok)
+    state = state_bytes(spec)  # a sequence's recurrent state (hybrid models), fixed, out of the same budget
+    cap = min(max_model_len, max(0, int(kv_budget_mib * 2**20) - state) // max(1, per_tok))
     if cap < 1:
-        raise RuntimeUserError(f"a KV budget of {kv_budget_mib} MiB holds no token ({per_tok} bytes each); raise --kv-budget-mib")
+        raise RuntimeUserError(f"a KV budget of {kv_budget_mib} MiB holds no token ({per_tok} bytes each"
+                               + (f", after the sequence's {state / 2**20:.1f} MiB recurrent state" if state else "")
+                               + "); raise --kv-budget-mib")
     return cap
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from sparkq.formats import constants as C
 
 from .errors import RuntimeUserError
 from .sampling import Sampler, SamplingParams
@@ -64,6 +65,15 @@ class Generator:
         """Logits of the last of ids when ids[:pos0] are already in the KV cache (a chat's
         history): only ids[pos0:] are computed."""
         raise NotImplementedError
+
+    def resumable(self, n: int, held: int) -> int:
+        """Of the first n positions (a prefix of the ``held`` the model last saw, in order), how many
+        a next prompt can continue from: all of them, except in a model with recurrent state
+        (formats/mixers.py), which holds the whole sequence seen: n only where n is all of it."""
+        spec = getattr(self, "spec", None) or getattr(getattr(self, "model", None), "spec", None)
+        if spec is None or all(m == C.MIXER_ATTENTION for m in spec.mixers):
+            return n
+        return n if n == held else 0
 
     def prompt_ids(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         if self.tokenizer is None:

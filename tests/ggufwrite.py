@@ -1,6 +1,8 @@
 """Tiny GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, from the tiny HF
-checkpoints of helpers.make_llama: the same architecture names, tensor names, q/k permutation
-(llama), ``1 + w`` norms (gemma3), metadata keys and tokenizer fields. Written with gguf-py's own
+checkpoints of helpers.make_llama and helpers.make_hybrid (Qwen3.5): the same architecture names,
+tensor names, q/k permutation (llama), ``1 + w`` norms (gemma3, qwen35), Qwen3.5's DeltaNet
+transforms (``-exp(A_log)``, the squeezed conv, value heads tiled), metadata keys and tokenizer
+fields. Written with gguf-py's own
 writer; the tests read them with sparkq and with transformers' GGUF loader."""
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import numpy as np
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
              "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
-             "GraniteMoeHybridForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2"}
+             "GraniteMoeHybridForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
+             "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35"}
 PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's q/k row permutation (LlamaModel.permute)
 LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -25,6 +28,11 @@ LAYER_GEMMA = {**LAYER, "post_attention_layernorm": "post_attention_norm", "pre_
 LAYER_PHI3 = {**LAYER_LLAMA, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 LAYER_OLMO2 = {**LAYER, "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 LAYER_GRANITE4 = {**LAYER_LLAMA, "shared_mlp.output_linear": "ffn_down"}  # input_linear: split into ffn_gate, ffn_up
+# Qwen3.5 (conversion/qwen.py Qwen3_5TextModel): HF module under model.layers.N -> GGUF block tensor
+LAYER_QWEN35 = {**LAYER, "post_attention_layernorm": "post_attention_norm",
+                "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+                "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+                "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out"}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}" \
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
@@ -34,6 +42,68 @@ def permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reorder_v_heads(t: np.ndarray, axis: int, k_heads: int, v_heads: int, dim: int) -> np.ndarray:
+    """llama.cpp's _LinearAttentionVReorderBase._reorder_v_heads: the value heads along axis from
+    grouped by key head ([k_heads, ratio, dim]) to tiled ([ratio, k_heads, dim])."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:axis], k_heads, v_heads // k_heads, dim, *shape[axis + 1:])
+    return np.swapaxes(t, axis, axis + 1).reshape(shape)
+
+
+def qwen35_tensors(tensors: dict, cfg: dict, mtp: int = 0, seed: int = 0) -> dict:
+    """GGUF name -> array of a Qwen3.5 text model's HF tensors, as Qwen3_5TextModel.modify_tensors
+    writes them: norms 1 + w except the DeltaNet's, A_log as -exp(A_log), the conv squeezed to
+    [C, K], dt_bias as ssm_dt.bias, and (where value heads outnumber key heads) every value-indexed
+    row, channel or column reordered from grouped to tiled. mtp: that many multi-token-prediction
+    blocks after the decoder's (random tensors under llama.cpp's names, a full-attention layer and
+    the nextn.* tensors), which a reader must drop."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, hidden = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["hidden_size"]
+    qk = 2 * hk * dk
+    reorder = hk != hv
+
+    def v(t, axis, dim):
+        return reorder_v_heads(t, axis, hk, hv, dim) if reorder else t
+    out = {"token_embd.weight": tensors["model.embed_tokens.weight"], "output_norm.weight": tensors["model.norm.weight"] + 1}
+    if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", False):
+        out["output.weight"] = tensors["lm_head.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        for name, t in tensors.items():
+            if not name.startswith(pre):
+                continue
+            hf = name[len(pre):]
+            if hf == "linear_attn.A_log":
+                out[f"blk.{i}.ssm_a"] = v(-np.exp(t), 0, 1)
+                continue
+            if hf == "linear_attn.dt_bias":
+                out[f"blk.{i}.ssm_dt.bias"] = v(t, 0, 1)
+                continue
+            module, _, suffix = hf.rpartition(".")
+            if hf.endswith("norm.weight") and module != "linear_attn.norm":
+                t = t + 1
+            if module == "linear_attn.in_proj_qkv" or module == "linear_attn.conv1d":
+                t = t.reshape(t.shape[0], -1)  # (the conv squeezed: [C, 1, K] -> [C, K])
+                t = np.concatenate([t[:qk], v(t[qk:], 0, dv)])
+            elif module == "linear_attn.in_proj_z":
+                t = v(t, 0, dv)
+            elif module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
+                t = v(t, 0, 1)
+            elif module == "linear_attn.out_proj":
+                t = v(t, 1, dv)
+            out[f"blk.{i}.{LAYER_QWEN35[module]}.{suffix}"] = t
+    rng = np.random.default_rng(seed)
+    last = cfg["num_hidden_layers"] - 1  # (a full-attention layer: the MTP block's shapes)
+    for j in range(mtp):
+        b = cfg["num_hidden_layers"] + j
+        for name in [n for n in out if n.startswith(f"blk.{last}.")]:
+            out[f"blk.{b}." + name.split(".", 2)[2]] = rng.normal(0, 0.05, out[name].shape).astype(np.float32)
+        out[f"blk.{b}.nextn.eh_proj.weight"] = rng.normal(0, 0.05, (hidden, 2 * hidden)).astype(np.float32)
+        for n in ("enorm", "hnorm", "shared_head_norm"):
+            out[f"blk.{b}.nextn.{n}.weight"] = rng.uniform(0.8, 1.2, hidden).astype(np.float32)
+    return out
 
 
 def spm_vocab(size: int, gemma: bool) -> tuple[list[str], list[float], list[int]]:
@@ -72,10 +142,10 @@ def byte_level_merges(n: int) -> list[tuple[str, str]]:
     return out
 
 
-def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None) -> Path:
-    """The GGUF llama.cpp would write for the HF checkpoint src (tensor type F32, F16 or Q8_0 for
-    the linears; spm: a SentencePiece vocabulary instead of src's byte-level one, default for
-    Mistral and Gemma 3)."""
+def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None, mtp: int = 0) -> Path:
+    """The GGUF llama.cpp would write for the HF checkpoint src (tensor type F32, F16, BF16 or Q8_0
+    for the linears; spm: a SentencePiece vocabulary instead of src's byte-level one, default for
+    Mistral and Gemma 3; mtp: Qwen3.5's multi-token-prediction blocks, random, at the end)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -87,21 +157,38 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):  # (bf16 or fp32 checkpoints, as float32 arrays)
         tensors.update({k: v.float().numpy() for k, v in load_file(str(f)).items()})
+    qwen35 = arch == "qwen35"
+    if qwen35:  # the VL wrapper's text model: language_model. stripped, the vision tower left out
+        if "text_config" in cfg:  # (the wrapper's tie_word_embeddings is the top-level one)
+            cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+        tensors = {k.replace("model.language_model.", "model."): v for k, v in tensors.items()
+                   if not k.startswith(("model.visual.", "mtp."))}
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")  # transformers would read a "mistral" in the name as an architecture gguf-py lacks
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_block_count(cfg["num_hidden_layers"] + (mtp if qwen35 else 0))
     w.add_feed_forward_length(cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    rp = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rp["rope_theta"] if qwen35 else cfg.get("rope_theta", 10000.0)))
     if arch in PERMUTED:
         w.add_rope_dimension_count(head_dim)
-    rp = cfg.get("rope_parameters") or {}
+    if qwen35:  # Qwen3NextModel / _Qwen35MRopeMixin / _Qwen35MtpMixin.set_gguf_parameters
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        w.add_rope_dimension_count(int(head_dim * rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))))
+        w.add_rope_dimension_sections((list(rp.get("mrope_section") or [11, 11, 10]) + [0] * 4)[:4])
+        if mtp:
+            w.add_nextn_predict_layers(mtp)
     if arch == "phi3":  # Phi3Model.set_gguf_parameters / generate_extra_tensors
         rot = int(head_dim * float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
         w.add_rope_dimension_count(rot)
@@ -115,13 +202,13 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
                          ("attention_multiplier", w.add_attention_scale), ("logits_scaling", w.add_logit_scale)):
             if cfg.get(key) is not None:
                 add(float(cfg[key]))
-    if arch in ("qwen3", "gemma3") or head_dim != cfg["hidden_size"] // heads:
+    if arch in ("qwen3", "gemma3", "qwen35") or head_dim != cfg["hidden_size"] // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if gemma and cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
     w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+                     "BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
     n_vocab = cfg["vocab_size"]
     if spm:
         tokens, scores, types = spm_vocab(n_vocab, gemma)
@@ -146,7 +233,7 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
         types = [3 if any(a["id"] == i for a in vocab.get("added_tokens", [])) else 1 if i in by_id else 5
                  for i in range(n_vocab)]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
+        w.add_tokenizer_pre("qwen35" if qwen35 else "qwen2" if arch.startswith("qwen") else "llama-bpe")
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges([f"{a} {b}" for a, b in merges])
@@ -161,15 +248,24 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
         arr = np.ascontiguousarray(arr.astype(np.float32))
         if name.endswith("norm.weight") and gemma:
             arr = arr + 1.0  # Gemma3Model.modify_tensors: norms stored as 1 + w
-        if arr.ndim == 2 and qtype != "F32":
+        # (Qwen3.5's squeezed conv stays F32, as llama.cpp keeps it)
+        if arr.ndim == 2 and qtype != "F32" and not name.endswith("ssm_conv1d.weight"):
             if qtype == "F16":
                 w.add_tensor(name, arr.astype(np.float16))
+                return
+            if qtype == "BF16":
+                w.add_tensor(name, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.BF16),
+                             raw_dtype=gguf.GGMLQuantizationType.BF16)
                 return
             q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             return
         w.add_tensor(name, arr)
 
+    if qwen35:
+        for name, arr in qwen35_tensors(tensors, cfg, mtp).items():
+            put(name, arr)
+        return _finish(w, out)
     if arch == "phi3" and rp.get("rope_type") == "longrope":
         w.add_tensor("rope_factors_long.weight", np.asarray(rp["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rp["short_factor"], np.float32))
@@ -193,6 +289,10 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     put("output_norm.weight", tensors["model.norm.weight"])
     if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", False):
         put("output.weight", tensors["lm_head.weight"])
+    return _finish(w, out)
+
+
+def _finish(w, out: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)

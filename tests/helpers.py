@@ -77,6 +77,60 @@ def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=
     return out
 
 
+def make_hybrid(out: Path, arch: str = "qwen3_5", *, hidden=128, inter=256, layers=4, vocab=320, tied=False,
+                seed=0, dtype=torch.bfloat16, **extra) -> Path:
+    """A random Gated DeltaNet hybrid (three linear_attention layers, then full attention) saved as
+    an HF checkpoint with a tokenizer: ``qwen3_5`` (Qwen3_5ForCausalLM), ``qwen3_5_vl`` (the
+    published Qwen3_5ForConditionalGeneration wrapper, a tiny vision tower) or ``olmo_hybrid``.
+    Parameters drawn so that every part matters: (1 + w) norms near 0, the DeltaNet's decay slow
+    (A_log, dt_bias as trained models have them), conv taps of both signs."""
+    import transformers
+
+    torch.manual_seed(seed)
+    types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)]
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, layer_types=types, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=32, linear_conv_kernel_dim=4,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, eos_token_id=256, bos_token_id=None,
+                  tie_word_embeddings=tied)
+    if arch == "olmo_hybrid":
+        cfg = transformers.OlmoHybridConfig(**common, linear_value_head_dim=48, pad_token_id=0,
+                                            rope_parameters=dict(rope_type="default", rope_theta=10000.0), **extra)
+        model = transformers.OlmoHybridForCausalLM(cfg)
+    else:
+        text = dict(common, head_dim=64, linear_value_head_dim=48,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.25,
+                                         mrope_section=[4, 2, 2], mrope_interleaved=True), **extra)
+        if arch == "qwen3_5_vl":
+            cfg = transformers.Qwen3_5Config(text_config=text, vision_config=dict(
+                depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
+                image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2,
+                vision_end_token_id=vocab - 1, tie_word_embeddings=tied)
+            model = transformers.Qwen3_5ForConditionalGeneration(cfg)
+        else:
+            model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+    offset = arch != "olmo_hybrid"  # Qwen3.5's decoder norms are (1 + w)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("A_log"):
+                p.uniform_(0.0, 1.5)
+            elif n.endswith("dt_bias"):
+                p.uniform_(-4.0, -1.0)
+            elif "conv1d" in n:
+                p.normal_(0, 0.4)
+            elif p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif n.endswith("linear_attn.norm.weight") or n.endswith("o_norm.weight") or not offset:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.uniform_(-0.2, 0.2)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    (out / "tokenizer.json").write_text(byte_tokenizer(vocab))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    return out
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -129,7 +183,9 @@ def dequant_reference(loaded, dtype=torch.float32):
             w = lin.rows(torch.arange(lin.n), torch.float32)
         dense[n] = DenseLinear(n, w.to(dtype))
     m = loaded.model
-    ref = Model(m.spec, dense, {k: v.to(dtype) for k, v in m.norms.items()}, max_model_len=m.max_model_len,
+    # (a mixer's fp32 parameters stay fp32, as every runtime reads them)
+    ref = Model(m.spec, dense, {k: v if v.dtype == torch.float32 else v.to(dtype) for k, v in m.norms.items()},
+                max_model_len=m.max_model_len,
                 kv_capacity=m.cache.capacity, kv_dtype="bf16")
     ref.cache.k, ref.cache.v = ref.cache.k.to(dtype), ref.cache.v.to(dtype)
     return ref

@@ -99,6 +99,17 @@ def test_the_first_call_starts_on_the_cores_other_programs_leave(monkeypatch):
     assert g.threads() == 4
 
 
+def test_a_prompt_takes_every_thread_and_more_beside_other_programs_where_layers_are_large(monkeypatch):
+    f = FakeProc(monkeypatch, cpus=2)
+    monkeypatch.setattr(T, "_cpus", lambda: {0, 1})
+    big, small = T.Governor(2, oversubscribe=True), T.Governor(2)
+    assert (big.prompt_threads(), small.prompt_threads()) == (2, 2)  # quiet: every thread
+    f.others = 1
+    assert big.prompt_threads() == 2 * T.OVERSUB  # large layers: more threads take a larger share
+    assert small.prompt_threads() == 1  # small layers: the cores the other program leaves
+    assert T.Governor(2, pinned=True, oversubscribe=True).prompt_threads() == 2  # --threads N: N
+
+
 def test_a_pinned_count_never_moves(monkeypatch):
     f = FakeProc(monkeypatch)
     g = T.Governor(2, pinned=True)
@@ -156,3 +167,18 @@ def test_a_conversion_is_the_same_bytes_whatever_thread_count_a_session_left(tmp
         convert(str(src), str(tmp_path / f"o{n}"), Options(progress=False))
         out.append((tmp_path / f"o{n}" / "model.sparkq.safetensors").read_bytes())
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("env, want", [({}, "10000"), ({"GOMP_SPINCOUNT": "123"}, "123"),
+                                       ({"OMP_WAIT_POLICY": "passive"}, None)])
+def test_barrier_spins_are_short_unless_the_user_chose(env, want):
+    """libgomp's spin before a waiting thread sleeps (lib.py SPINCOUNT), set before the core loads,
+    never over the user's own choice."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = ("import os; from sparkq.runtime import core; lib = core.try_load(); "
+            "print(os.environ.get('GOMP_SPINCOUNT') if lib is not None else 'no core')")
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    got = out.stdout.strip()
+    if got == "no core":
+        pytest.skip("no C core on this machine")
+    assert got == str(want)

@@ -1,5 +1,7 @@
-"""llama.cpp comparison arms: a GGUF of any llama/qwen3 HF checkpoint (speed only), requantized
-by llama.cpp's own quantizer.
+"""llama.cpp comparison arms: a GGUF of any llama/qwen3/qwen3.5 HF checkpoint (speed only),
+requantized by llama.cpp's own quantizer (Qwen3.5: llama.cpp's ``qwen35`` layout, its norms stored
+as 1 + w and ssm_a as -exp(A_log) as its converter writes them; value heads are not reordered,
+so a checkpoint with fewer key than value heads runs with other values, at the same speed).
 
 ``python tools/llamacpp.py SRC_DIR OUT.gguf [FTYPE ...]`` writes ``OUT.gguf`` (F16, via
 gguf-py: standard tensor names, the model's real shapes and hyper-parameters, a stand-in
@@ -24,15 +26,26 @@ NAMES = {  # HF suffix -> GGUF name (blk.{i}. prefix for layer tensors)
 }
 
 
+QWEN35_NAMES = {  # Qwen3.5: the post-attention (pre-MLP) norm and the Gated DeltaNet layers' tensors
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+}
+
+
 def write_gguf(src: Path, out: Path) -> Path:
     import gguf
     import numpy as np
     from safetensors import safe_open
 
     cfg = json.loads((src / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}.get(cfg["architectures"][0])
+    arch = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+            "Qwen3_5ForCausalLM": "qwen35"}.get(cfg["architectures"][0])
     if arch is None:
-        sys.exit(f"llamacpp: only llama/qwen3 checkpoints are supported, got {cfg['architectures'][0]}")
+        sys.exit(f"llamacpp: only llama/qwen3/qwen3.5 checkpoints are supported, got {cfg['architectures'][0]}")
     tmp = out.with_name(out.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(src.name)
@@ -45,7 +58,19 @@ def write_gguf(src: Path, out: Path) -> Path:
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    rp = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or rp.get("rope_theta", 10000.0)))
+    if arch == "qwen35":
+        w.add_rope_dimension_count(int(hd * rp.get("partial_rotary_factor", 0.25)))
+        w.add_array(f"{arch}.rope.dimension_sections", list(rp.get("mrope_section", [11, 11, 10])) + [0])
+        nk, nv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                           "linear_key_head_dim", "linear_value_head_dim"))
+        w.add_uint32(f"{arch}.ssm.conv_kernel", cfg.get("linear_conv_kernel_dim", 4))
+        w.add_uint32(f"{arch}.ssm.state_size", dk)
+        w.add_uint32(f"{arch}.ssm.group_count", nk)
+        w.add_uint32(f"{arch}.ssm.time_step_rank", nv)
+        w.add_uint32(f"{arch}.ssm.inner_size", nv * dv)
+        w.add_uint32(f"{arch}.full_attention_interval", cfg.get("full_attention_interval", 4))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     n_vocab = cfg["vocab_size"]
@@ -68,12 +93,23 @@ def write_gguf(src: Path, out: Path) -> Path:
         return t.numpy().astype(np.float32 if as_f32 else np.float16)
 
     w.add_tensor("token_embd.weight", arr("model.embed_tokens.weight"))
+    names = {**NAMES, **QWEN35_NAMES} if arch == "qwen35" else NAMES
     for i in range(cfg["num_hidden_layers"]):
-        for hf, gg in NAMES.items():
+        for hf, gg in names.items():
             name = f"model.layers.{i}.{hf}"
-            if name in tensors:
-                w.add_tensor(f"blk.{i}.{gg}", arr(name, as_f32=hf.endswith("norm.weight")))
-    w.add_tensor("output_norm.weight", arr("model.norm.weight", as_f32=True))
+            if name not in tensors:
+                continue
+            small = hf.endswith(("norm.weight", "A_log", "dt_bias", "conv1d.weight"))
+            t = arr(name, as_f32=small)
+            if arch == "qwen35" and hf.endswith("norm.weight") and "linear_attn" not in hf:
+                t = t + 1.0  # llama.cpp's converter stores (1 + w) norms as 1 + w
+            if hf.endswith("A_log"):
+                t = -np.exp(t)
+            if hf.endswith("conv1d.weight"):
+                t = t.reshape(t.shape[0], t.shape[-1])
+            w.add_tensor(f"blk.{i}.{gg}", t)
+    norm = arr("model.norm.weight", as_f32=True)
+    w.add_tensor("output_norm.weight", norm + 1.0 if arch == "qwen35" else norm)
     if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", False):
         w.add_tensor("output.weight", arr("lm_head.weight"))
     w.write_header_to_file()

@@ -12,7 +12,7 @@ import ctypes
 
 from .builds import KernelUnavailable
 
-ABI = 13
+ABI = 14
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -24,14 +24,22 @@ class SqLinear(ctypes.Structure):
 class SqLayer(ctypes.Structure):
     _fields_ = [("qkv", SqLinear), ("o", SqLinear), ("gate_up", SqLinear), ("down", SqLinear)] + [
         (n, _P) for n in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "cos", "sin",
-                          "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I), ("gate", SqLinear)]
+                          "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I), ("gate", SqLinear)] + [
+        ("mixer", _I)] + [(n, _P) for n in ("conv_w", "a_log", "dt_bias", "gnorm", "conv_state", "rec_state")]
 
 
 class SqModel(ctypes.Structure):
     _fields_ = [(n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "cap", "act",
                                   "norm_offset", "refine_top", "kv_int8", "qk_norm_full")] + [
         (n, _D) for n in ("eps", "attn_scale", "embed_mult", "res_mult")] + [("gate_width", _I)] + [
-        ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)]
+        ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)] + [
+        (n, _I) for n in ("lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim", "conv_k")] + [
+        (n, _D) for n in ("beta_scale", "gnorm_eps")]
+
+
+# sq_layer.mixer codes by mixer name (formats/constants.py MIXER_*; csrc/sq_abi.h MIXER_*), checked
+# against the library's at load
+MIXERS = {"attention": 0, "gdn": 1}
 
 
 # the norm vectors of a layer, by their field names (also the artifact's names: layers.L.<name>.weight)
@@ -71,6 +79,7 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_clip_search": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]),
     "sq_gram_bf16": (ctypes.c_int, [_P, _I, _I, _P]),
     "sq_glu": (ctypes.c_int, [_I, _P, _I, _P]),
+    "sq_gdn_mix": (ctypes.c_int, [_PTR(SqModel), _PTR(SqLayer), _I, _P, _P, _I, _P]),
 }
 
 
@@ -81,6 +90,7 @@ def _mirror(struct) -> tuple[int, list[tuple[str, int]]]:
 def parse_desc(desc: str) -> tuple[int, dict[str, int], dict[str, tuple[int, list[tuple[str, int]]]]]:
     """sq_abi_desc() -> (abi, {kind name: code}, {struct: (size, [(field, offset)])})"""
     parts = dict(p.split("=", 1) for p in desc.split(";"))
+    parts.pop("mixers", None)  # mixer_codes()
     kinds = {k: int(v) for k, v in (kv.split(":") for kv in parts.pop("kinds").split(","))}
     abi = int(parts.pop("abi"))
     structs = {}
@@ -90,11 +100,21 @@ def parse_desc(desc: str) -> tuple[int, dict[str, int], dict[str, tuple[int, lis
     return abi, kinds, structs
 
 
+def mixer_codes(desc: str) -> dict[str, int]:
+    """sq_abi_desc() -> {mixer name: sq_layer.mixer code} ({} from a library without mixers)"""
+    parts = dict(p.split("=", 1) for p in desc.split(";"))
+    return {k: int(v) for k, v in (kv.split(":") for kv in parts["mixers"].split(","))} if "mixers" in parts else {}
+
+
 def check(lib, path) -> dict[str, int]:
     """Refuse a library whose ABI differs from this mirror; returns its kind codes."""
     if lib.sq_abi() != ABI:
         raise KernelUnavailable(f"{path}: ABI {lib.sq_abi()} != {ABI}; delete it and run again")
-    abi, kinds, structs = parse_desc(lib.sq_abi_desc().decode())
+    desc = lib.sq_abi_desc().decode()
+    abi, kinds, structs = parse_desc(desc)
+    if mixer_codes(desc) != MIXERS:
+        raise KernelUnavailable(f"{path}: layer mixer codes {mixer_codes(desc)} in the library but {MIXERS} in "
+                                "runtime/core/abi.py; the two must change together")
     for name, struct in (("sq_linear", SqLinear), ("sq_layer", SqLayer), ("sq_model", SqModel)):
         if structs.get(name) != _mirror(struct):
             got, want = structs.get(name), _mirror(struct)

@@ -11,7 +11,12 @@ from .builds import OFF, KernelChoiceError, KernelUnavailable, build, host_build
 _LIBS: dict[str, ctypes.CDLL] = {}
 _KINDS: dict[int, dict[str, int]] = {}  # id(lib) -> {kind name: code}
 _WARNED = False
-BUILD_SECONDS: dict[str, float] = {}  # build -> seconds this process spent compiling it (0.0: cached)
+BUILD_SECONDS: dict[str, float] = {}
+# spins before a thread waiting at a barrier sleeps (libgomp's default: 300000, ~1 ms): one that
+# sleeps gives its core to the thread of ours that another program's process took a core from
+# (threads.py); decode's waits are shorter than this, so a quiet machine keeps spinning. Measured:
+# docs/performance.md "A busy machine".
+SPINCOUNT = "10000"  # build -> seconds this process spent compiling it (0.0: cached)
 
 
 def load(variant: str | None = None, fallback: bool = True) -> ctypes.CDLL:
@@ -23,6 +28,8 @@ def load(variant: str | None = None, fallback: bool = True) -> ctypes.CDLL:
     if variant in _LIBS:
         return _LIBS[variant]
     path, BUILD_SECONDS[variant] = build(variant)
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = SPINCOUNT  # read once, when libgomp loads with the first build
     lib = ctypes.CDLL(str(path))
     try:
         abi.declare(lib)

@@ -21,7 +21,7 @@ from ..common import REFINE_SPLIT, REFINE_TOP, check_ids
 from ..errors import RuntimeUserError
 from . import abi
 from .lib import kind_code
-from .threads import Governor
+from .threads import OVERSUB_PARAMS, Governor
 
 # the fewest sequences whose batched step takes the AMX int8 tile products when a server asks for
 # them (--batch-tiles): where they beat the W4A8 products on the Qwen3-1.7B shape (docs/serving.md
@@ -75,6 +75,14 @@ def ptr(buf) -> int | None:
     return buf.ctypes.data
 
 
+def _f32(buf):
+    """A GDN layer's fp32 parameter or state, checked (the C core reads and writes fp32 in place)."""
+    dt = str(getattr(buf, "dtype", ""))
+    if dt not in ("float32", "torch.float32"):
+        raise ValueError(f"the C core needs fp32 GDN parameters and states, got {dt or type(buf).__name__}")
+    return buf
+
+
 def linear_struct(lib, lin: CLinear) -> abi.SqLinear:
     return abi.SqLinear(ptr(lin.q), ptr(lin.sz), ptr(lin.bias), kind_code(lib, lin.kind), lin.n, lin.k, lin.g,
                         ptr(lin.res), ptr(lin.rsc), ptr(lin.lut), ptr(lin.rmap))
@@ -86,29 +94,47 @@ class Session:
     linears: name -> CLinear (formats names: layers.L.qkv ..., lm_head, embed if untied);
     vectors: name -> bf16 buffer (norms, the qkv bias); ropes: per layer (cos, sin) bf16
     [rope_len, rotary_dim]; kcache, vcache: per layer [(slots,) kv_heads, cap, head_dim], bf16, or
-    int8 codes with kscale, vscale: per layer bf16 [(slots,) kv_heads, cap] (x = code * scale)."""
+    int8 codes with kscale, vscale: per layer bf16 [(slots,) kv_heads, cap] (x = code * scale).
+    A Gated DeltaNet layer (``spec.mixers[i] == "gdn"``, shape ``spec.gdn``): linears qkv, gate
+    (z | b | a) and o; fp32 vectors layers.L.conv.weight [C, K], .a_log, .dt_bias [Hv],
+    .gnorm.weight [dv]; ``states[i]`` = (conv [slots, C, K - 1], recurrent [slots, Hv, dk, dv]),
+    fp32 (slot s: KV slot s, the one at kvoff s * kv_heads * cap * head_dim); no rope or KV cache
+    (None)."""
 
     def __init__(self, lib, spec, linears: dict, vectors: dict, ropes: list, kcache, vcache, cap: int, *,
                  threads: int, attn_scale: float, embed_mult: float = 0.0, kscale=None, vscale=None,
-                 pinned: bool = False):
+                 pinned: bool = False, states=None):
         self.lib, self.spec, self.cap, self.threads = lib, spec, cap, int(threads)
         # each call's thread count: `threads` while the cores are ours, fewer while another program
         # takes some (runtime/core/threads.py); `pinned` (--threads N): always `threads`
-        self.gov = Governor(self.threads, pinned)
+        per_layer = sum(lin.n * lin.k for name, lin in linears.items() if name.startswith("layers.")) / max(1, spec.layers)
+        self.gov = Governor(self.threads, pinned, oversubscribe=per_layer >= OVERSUB_PARAMS)
         self.prefill_chunk = PREFILL_CHUNK
-        self._keep = [linears, vectors, ropes, kcache, vcache, kscale, vscale]  # every buffer the structs point into
+        # every buffer the structs point into
+        self._keep = [linears, vectors, ropes, kcache, vcache, kscale, vscale, states]
+        mixers = getattr(spec, "mixers", None) or (C.MIXER_ATTENTION,) * spec.layers
+        gdn = getattr(spec, "gdn", None)
         layers = (abi.SqLayer * spec.layers)()
         for i in range(spec.layers):
             L = layers[i]
             qkv = linears[f"layers.{i}.qkv"]
-            if spec.qkv_bias:
+            if spec.qkv_bias and mixers[i] != C.MIXER_GDN:
                 qkv = CLinear(**{**qkv.__dict__, "bias": vectors[f"layers.{i}.qkv.bias"]})
             L.qkv = linear_struct(lib, qkv)
             L.o, L.gate_up, L.down = (linear_struct(lib, linears[f"layers.{i}.{p}"]) for p in ("o", "gate_up", "down"))
-            if spec.attn_gate:
-                L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
             for f in abi.LAYER_NORMS:
                 setattr(L, f, ptr(vectors.get(f"layers.{i}.{f}.weight")))
+            L.mixer = abi.MIXERS[mixers[i]]
+            if mixers[i] == C.MIXER_GDN:  # its gate linear is z | b | a; no rope, no KV cache
+                L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
+                L.conv_w, L.a_log, L.dt_bias, L.gnorm = (
+                    ptr(_f32(vectors[f"layers.{i}.{n}"])) for n in C.GDN_PARAMS)
+                if states is None or states[i] is None:
+                    raise ValueError(f"layer {i} is a Gated DeltaNet layer: Session needs its states (conv, recurrent)")
+                L.conv_state, L.rec_state = (ptr(_f32(b)) for b in states[i])
+                continue
+            if spec.attn_gate:
+                L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
             _, rot, window = spec.layer_attention(i)
             L.cos, L.sin = ptr(ropes[i][0]), ptr(ropes[i][1])
             L.rot, L.window = rot, window or 0
@@ -128,6 +154,9 @@ class Session:
         m.kv_int8 = int(kscale is not None)
         m.eps, m.attn_scale, m.embed_mult = spec.rms_eps, attn_scale, embed_mult
         m.res_mult, m.qk_norm_full = spec.residual_multiplier, int(spec.qk_norm and spec.qk_norm_full)
+        if gdn is not None:  # the Gated DeltaNet layers' shape (csrc/gdn.c)
+            m.lin_k_heads, m.lin_v_heads, m.lin_k_dim, m.lin_v_dim = gdn.k_heads, gdn.v_heads, gdn.k_dim, gdn.v_dim
+            m.conv_k, m.beta_scale, m.gnorm_eps = gdn.conv_kernel, float(gdn.beta_scale), float(gdn.norm_eps)
         self.layers = layers
         m.layer = ctypes.cast(layers, ctypes.POINTER(abi.SqLayer))
         m.head, m.embed = linear_struct(lib, head), linear_struct(lib, linears.get(C.ROLE_EMBED, head))
@@ -184,17 +213,13 @@ class Session:
         chunk = int(chunk or self.prefill_chunk)
         if pos0 + ids.size > self.cap or pos0 < 0:
             raise RuntimeUserError(f"positions {pos0}..{pos0 + ids.size - 1} are beyond the KV cache ({self.cap} tokens)")
-        # a call per chunk where the thread count may change between them (the same bits as one call)
-        step = ids.size if self.gov.pinned else chunk
-        for c0 in range(0, ids.size, step):
-            n = min(step, ids.size - c0)
-            dst = out[c0:c0 + n] if not last_only else out
-            self.lib.sq_set_threads(self.gov.threads())
-            args = (ids.ctypes.data + 8 * c0, n, int(pos0 + c0), chunk, dst.ctypes.data, int(not last_only))
-            rc = (self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), *args) if kvoff
-                  else self.lib.sq_prefill(ctypes.byref(self.m), *args))
-            if rc:
-                raise MemoryError("sq_prefill could not allocate its activation buffers")
+        self.lib.sq_set_threads(self.gov.prompt_threads())
+        args = (ids.ctypes.data, ids.size, int(pos0), chunk, out.ctypes.data, int(not last_only))
+        rc = (self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), *args) if kvoff
+              else self.lib.sq_prefill(ctypes.byref(self.m), *args))
+        self.gov.after_prompt()
+        if rc:
+            raise MemoryError("sq_prefill could not allocate its activation buffers")
         return out
 
     def head(self, xn, out: np.ndarray | None = None) -> np.ndarray:

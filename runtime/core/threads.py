@@ -23,6 +23,15 @@ WINDOW = 0.02      # s between run-delay readings (~40 us each: 0.2% of the wind
 WAIT_DOWN = 0.3    # threads' worth of run-delay per second that drops one thread
 UP_WINDOW = 0.2    # s of idle time behind a step up (/proc/stat counts in 10 ms ticks)
 IDLE_UP = 0.6      # idle cores' worth over UP_WINDOW that adds one thread back
+# weights per layer (parameters) from which a prompt runs on more threads than cores while other
+# programs take some (prompt_threads); measured on 2 cores beside one spinner: the Qwen3-1.7B shape
+# (50M a layer) 146 tok/s on 4 threads vs 126 on 1, SmolLM2-135M (4M) ~1250 on 4 vs ~1600 on 1
+OVERSUB_PARAMS = 16e6
+# a prompt's threads per configured thread beside other programs (large layers): measured there,
+# 2 cores, one spinner, pp512 on 2/4/6/8 threads 132/142/156/167 tok/s (0.52x-0.65x of quiet), two
+# spinners 4/6/8 threads 133/148/154: 6 threads keep more of the quiet speed than llama.cpp's
+# default keeps (0.58x / 0.46x) while the other programs keep a seventh of the CPUs (one spinner)
+OVERSUB = 3
 
 
 def _cpus() -> set[int]:
@@ -89,8 +98,9 @@ def idle_ticks(cpus: set[int]) -> tuple[int, int] | None:
 class Governor:
     """The thread count of one runtime's C calls (``threads()`` before each call)."""
 
-    def __init__(self, threads: int, pinned: bool = False):
+    def __init__(self, threads: int, pinned: bool = False, oversubscribe: bool = False):
         self.max = self.n = self.low = max(1, int(threads))
+        self.oversubscribe = oversubscribe  # prompt_threads: more threads than cores while others run
         self.pinned = pinned or self.max == 1
         self.cpus = _cpus()
         self.changes = 0  # how often the count moved; low: the fewest it ran (the stats line)
@@ -130,3 +140,24 @@ class Governor:
                     (cur[0] - before[0]) / (cur[1] - before[1]) * len(self.cpus) >= IDLE_UP:
                 self._set(self.n + 1, now)
         return self.n
+
+    def prompt_threads(self) -> int:
+        """A prompt's count. Quiet: every thread. While other programs' threads are runnable:
+        OVERSUB times the configured count for a model whose layers are large enough
+        (``oversubscribe``), else the cores the others leave. A prompt's products hand out small
+        blocks to whichever thread is free, and a thread that waits at a barrier soon sleeps
+        (lib.py: GOMP_SPINCOUNT), so extra threads take a larger share of the CPUs from the other
+        programs, but each barrier may wait for a thread the scheduler has just set aside: a small
+        layer's barriers come too often for that to pay (docs/performance.md "A busy machine")."""
+        if self.pinned:
+            return self.n
+        others = runnable_others()
+        if not others:
+            return self.max
+        return OVERSUB * self.max if self.oversubscribe else max(1, min(self.max, len(self.cpus) - others))
+
+    def after_prompt(self) -> None:
+        """A prompt's call ended: the next run-delay window starts here (a prompt's threads wait for
+        each other's wake-ups, which says nothing of other programs)."""
+        if not self.pinned:
+            self._wait = (time.monotonic(), run_delay_ns())

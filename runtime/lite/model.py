@@ -21,11 +21,12 @@ import time
 import numpy as np
 from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import ROWS32
+from sparkq.formats.mixers import mixer_state
 from sparkq.formats.rope import rope_tables_bf16
 
 from .. import core
-from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, LoadInfo, check_fits,
-                     check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
+from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, LoadInfo, by_layer,
+                     check_fits, check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
 from ..errors import RuntimeUserError
 from ..generate import Generator
 from ..tokenizer import ChatTokenizer
@@ -78,14 +79,18 @@ class LiteModel(Generator):
             raise RuntimeUserError(f"the KV cache needs at least one sequence slot, got {slots}")
         # fixed slots: the budget split evenly, each slot a whole sequence's cache (serving.py)
         cap = kv_capacity(spec, max_model_len, kv_budget_mib / slots, kv_dtype)
-        # [layers, slots, kv_heads, cap, head_dim]: bf16 bits, or int8 codes with bf16 scales
-        # [layers, slots, kv_heads, cap]; pages are touched only as tokens are written
-        shape = (spec.layers, slots, spec.kv_heads, cap, spec.head_dim)
+        # [attention layers, slots, kv_heads, cap, head_dim]: bf16 bits, or int8 codes with bf16 scales
+        # [attention layers, slots, kv_heads, cap]; pages are touched only as tokens are written
+        shape = (len(spec.kv_layers), slots, spec.kv_heads, cap, spec.head_dim)
         dt = np.uint16 if kv_dtype == "bf16" else np.int8
         self.k, self.v = empty64(shape, dt), empty64(shape, dt)
         self.k_scale = self.v_scale = None
         if kv_dtype == "int8":
             self.k_scale, self.v_scale = empty64(shape[:-1], np.uint16), empty64(shape[:-1], np.uint16)
+        # the recurrent mixers' state per layer (formats/mixers.py), [slots, ...] fp32; a slot's is
+        # zeroed when a sequence starts at position 0 (Session)
+        self.state = mixer_state(spec, slots, lambda shape: empty64(shape, np.float32))
+        self.state_nbytes = sum(a.nbytes for st in self.state if st for a in st.values())
         self.kv_nbytes = sum(a.nbytes for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
         self.cap, self.slots = cap, slots
         self.slot_elems = spec.kv_heads * cap * spec.head_dim  # the element offset between slots
@@ -101,10 +106,11 @@ class LiteModel(Generator):
         self.rope_bytes = sum(c.nbytes + s.nbytes for c, s in ropes.values())
         linears = {name: _clinear(name, li, t) for name, li in art.linears.items()}
         vectors = {n: t[n] for n in spec.vector_shapes()}
-        self.session = core.Session(lib, spec, linears, vectors, per_layer, self.k, self.v, cap, threads=threads,
-                                    attn_scale=core.attn_scale(spec),
-                                    embed_mult=spec.embed_mult or 0.0,
-                                    kscale=self.k_scale, vscale=self.v_scale, pinned=pinned)
+        self.session = core.Session(lib, spec, linears, vectors, per_layer, by_layer(spec, self.k), by_layer(spec, self.v),
+                                    cap, threads=threads, attn_scale=core.attn_scale(spec),
+                                    embed_mult=spec.embed_mult or 0.0, kscale=by_layer(spec, self.k_scale),
+                                    vscale=by_layer(spec, self.v_scale), pinned=pinned,
+                                    states=[tuple(st.values()) if st else None for st in self.state])
         config = art.config
         tok = ChatTokenizer.from_dir(path, config) if (path / "tokenizer.json").exists() else None
         super().__init__(tok)
@@ -114,6 +120,8 @@ class LiteModel(Generator):
         extra["prefill_path"] = "c"
         extra["threads"] = threads
         extra["kv_dtype"] = kv_dtype
+        if self.state_nbytes:
+            extra["state_bytes"] = self.state_nbytes  # the recurrent layers' state, besides the KV cache
         self.info = LoadInfo(str(path), "artifact", art.layout, time.perf_counter() - t0, cap, self.kv_nbytes,
                              self.rope_bytes, max_model_len, extra)
 

@@ -55,6 +55,9 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
     out += [("kv cache", "kv.k", m.cache.k), ("kv cache", "kv.v", m.cache.v)]
     if m.cache.k_scale is not None:
         out += [("kv cache", "kv.k_scale", m.cache.k_scale), ("kv cache", "kv.v_scale", m.cache.v_scale)]
+    for i, st in enumerate(m.state):  # a hybrid model's recurrent layers: fixed per sequence, besides the KV cache
+        for name, t in (st or {}).items():
+            out.append(("recurrent state", f"layers.{i}.{name}", t))
     for i, r in enumerate(m.ropes):
         out += [("rope tables", f"rope{i}.cos", r.cos), ("rope tables", f"rope{i}.sin", r.sin)]
     scratch = next((lin.scratch for lin in m.lin.values() if isinstance(lin, Int4Linear)), None)

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import RuntimeUserError
 from ..sampling import Sampler, SamplingParams, logprobs, top_tokens
-from .prefix import copy_positions, shared_prefix
+from .prefix import Snapshots, copy_positions, shared_prefix
 from .request import Request
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
@@ -69,6 +69,8 @@ class Engine:
         self.kept: list[tuple[list[int], int]] = [([], 0)] * self.parallel
         self.last_used, self.tick = [0] * self.parallel, 0
         self.reuse_grid = self.prefill_slice if self.session.lib.sq_prefill_bf16() else 1
+        # a hybrid model's recurrent states at slice boundaries: a prefix is reused up to one of them
+        self.snaps = Snapshots(model) if any(model.state) else None
         from ..core import build_name
         self.build = build_name(self.session.lib)  # the C-core build (/health; bench-serve reports it)
         self.waiting: deque[Request] = deque()
@@ -147,6 +149,8 @@ class Engine:
         with self.cv:
             return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.parallel,
                     "slot_tokens": self.slot_cap, "build": self.build, "batch_tiles": self.session.tiles[0],
+                    **({"state_bytes": self.model.state_nbytes, "snapshot_bytes": self.snaps.bytes}  # hybrids
+                       if self.snaps is not None else {}),
                     **self.stats}
 
     # -- the engine thread --
@@ -183,14 +187,17 @@ class Engine:
             r.slot, r.cached = best, reuse[best]
             r.filled = r.cached
             self.kept[best] = (r.ids, r.cached)  # the positions past it are about to be rewritten
+            if self.snaps is not None:  # the state where the prompt continues
+                self.snaps.resume(best, r.cached)
             self.tick += 1
             self.last_used[best] = self.tick
             self.stats["cached"] += r.cached
             self.running.append(r)
 
     def _reusable(self, slot: int, ids: list[int]) -> int:
-        """prompt tokens of ids whose K/V slot already holds"""
-        return shared_prefix(*self.kept[slot], ids, self.reuse_grid) if self.prefix_cache else 0
+        """prompt tokens of ids whose K/V slot already holds (and, in a hybrid model, a state copy at)"""
+        n = shared_prefix(*self.kept[slot], ids, self.reuse_grid) if self.prefix_cache else 0
+        return self.snaps.best(slot, n) if self.snaps is not None else n
 
     def _share(self, r: Request) -> None:
         """(engine thread, r at the start of its prompt) the longest prefix of r's prompt that another
@@ -198,10 +205,12 @@ class Engine:
         prompt or few-shot context prefill it once (the same bits: prompt-path positions only)"""
         best, src = r.filled, -1
         for k in range(self.parallel):
-            if k != r.slot and (m := shared_prefix(*self.kept[k], r.ids, self.reuse_grid)) > best:
+            if k != r.slot and (m := self._reusable(k, r.ids)) > best:
                 best, src = m, k
         if src >= 0:
             copy_positions(self.model, src, r.slot, r.filled, best)
+            if self.snaps is not None:
+                self.snaps.restore(r.slot, best, src)
             with self.cv:
                 self.stats["cached"] += best - r.filled
                 r.cached = r.filled = best
@@ -339,6 +348,8 @@ class Engine:
                 # from the one-row head as without echo
                 logits = s.head_many(xn[-1:]) if b == len(pre.ids) else None
                 plps = self._prompt_logprobs(pre, a, b, xn) if echo and not pre.cancelled else []
+                if self.snaps is not None and self.prefix_cache and pre.slot >= 0:
+                    self.snaps.take(pre.slot, b)
                 with self.cv:
                     pre.filled = b
                     if pre.slot >= 0:

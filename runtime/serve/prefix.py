@@ -23,3 +23,52 @@ def copy_positions(model, src: int, dst: int, a: int, b: int) -> None:
     for arr in (model.k, model.v, model.k_scale, model.v_scale):
         if arr is not None:
             arr[:, dst, :, a:b] = arr[:, src, :, a:b]
+
+
+SNAPSHOTS = 4  # per slot: a hybrid model's recurrent states kept at slice boundaries (the latest ones)
+
+
+class Snapshots:
+    """A hybrid model's recurrent state per slot at the prompt path's slice boundaries.
+
+    A KV cache can be cut back to any prefix; a recurrent state (formats/mixers.py) holds the whole
+    sequence seen so far and cannot. So the engine copies a slot's state after each prompt slice
+    (``take``), reuses a prefix only up to a position it holds a copy for (``best``) and starts
+    there from that copy (``restore``, also into another slot: a prompt copy). The latest
+    ``SNAPSHOTS`` per slot are kept: ``bytes`` is their memory."""
+
+    def __init__(self, model, keep: int = SNAPSHOTS):
+        self.model, self.keep = model, keep
+        self.arrays = [a for st in model.state if st for a in st.values()]  # each [slots, ...]
+        self.at: list[dict[int, list[np.ndarray]]] = [{} for _ in range(model.slots)]
+
+    @property
+    def bytes(self) -> int:
+        return sum(a[0].nbytes for a in self.arrays) * sum(len(d) for d in self.at)
+
+    def take(self, slot: int, pos: int) -> None:
+        d = self.at[slot]
+        d[pos] = [a[slot].copy() for a in self.arrays]
+        while len(d) > self.keep:
+            del d[min(d)]
+
+    def best(self, slot: int, n: int) -> int:
+        """The largest position <= n this slot's state can restart from (0: the empty state)."""
+        return max((p for p in self.at[slot] if p <= n), default=0)
+
+    def restore(self, slot: int, pos: int, src: int | None = None) -> None:
+        """Slot's live state := the copy at pos (of slot src, default its own); pos 0 needs none."""
+        if pos == 0:
+            return
+        src = slot if src is None else src
+        for a, saved in zip(self.arrays, self.at[src][pos]):
+            a[slot] = saved
+        if src != slot:
+            self.at[slot][pos] = [s.copy() for s in self.at[src][pos]]
+
+    def resume(self, slot: int, n: int) -> None:
+        """A prompt continues in slot from position n (one of its copies, or 0): the copies past n
+        no longer hold (those positions are about to be rewritten), the live state is the copy at n."""
+        for p in [p for p in self.at[slot] if p > n]:
+            del self.at[slot][p]
+        self.restore(slot, n)

@@ -11,6 +11,7 @@ from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, ROWS32, LayoutError, host_layout
 from sparkq.formats.recipe import recipe_for_config, text_model_view, wrapper_architecture
 from sparkq.formats.spec import ModelSpec
+from sparkq.formats.views import views
 
 from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD,  # noqa: F401
                      LoadInfo, check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
@@ -80,13 +81,22 @@ def _load_bf16_checkpoint(path: Path):
     else:
         renamed = {}
 
-    def get(name, shape):
+    derived = views(recipe.family, config, {n: tuple(h.get_slice(renamed.get(n, n)).get_shape()) for n, h in handles.items()})
+
+    def tensor(name):
+        if name in derived:  # rows of other tensors (formats/views.py)
+            return torch.cat([tensor(n)[a:b] for n, a, b in derived[name][1]])
         if name not in handles:
             raise RuntimeUserError(f"{path}: tensor {name} missing from the checkpoint")
-        t = handles[name].get_tensor(renamed.get(name, name))
+        return handles[name].get_tensor(renamed.get(name, name))
+
+    def get(name, shape, dtype=torch.bfloat16):
+        t = tensor(name)
+        if dtype == torch.float32 and t.numel() == torch.Size(shape).numel():  # a mixer's parameter (conv [C, 1, K])
+            t = t.reshape(shape)
         if tuple(t.shape) != tuple(shape) or not t.is_floating_point():
             raise RuntimeUserError(f"{path}: tensor {name} is {t.dtype}{list(t.shape)}, config.json implies a float {list(shape)}")
-        return t.to(torch.bfloat16)
+        return t.to(dtype)
 
     srcs = recipe.source_names(spec)
     linears = {}
@@ -94,9 +104,12 @@ def _load_bf16_checkpoint(path: Path):
         parts = [get(n, (r, k)) for n, r in zip(srcs[name], spec.part_rows(name, len(srcs[name])))]
         linears[name] = DenseLinear(name, parts[0] if len(parts) == 1 else torch.cat(parts, 0))
     norms = {}
-    for n, (size,) in spec.vector_shapes().items():
+    for n, shape in spec.vector_shapes().items():
+        if spec.vector_dtype(n) == C.DTYPE_F32:  # kept in fp32, never rounded to bf16
+            norms[n] = get(srcs[n][0], shape, torch.float32)
+            continue
         # a fused vector (the qkv bias) has one part per fused linear part
-        sizes = spec.part_rows(n.rsplit(".", 1)[0]) if len(srcs[n]) > 1 else [size]
+        sizes = spec.part_rows(n.rsplit(".", 1)[0]) if len(srcs[n]) > 1 else [shape[0]]
         norms[n] = torch.cat([get(p, (r,)) for p, r in zip(srcs[n], sizes)])
     return config, spec, linears, norms
 

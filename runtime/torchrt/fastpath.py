@@ -15,6 +15,7 @@ from sparkq.formats import constants as C
 from sparkq.formats.layout import ROWS32
 
 from .. import core
+from ..common import by_layer
 from .weights import DenseLinear, Int4Linear, Int8Linear, c_gemm_pairs
 
 
@@ -59,8 +60,11 @@ def session(model, lib, threads: int, pinned: bool = False) -> core.Session:
     ropes = [(cfg.rope.cos, cfg.rope.sin) for cfg in model.layer_cfg]
     embed_mult = model.embed_mult or 0.0
     return core.Session(lib, model.spec, {n: clinear(lin) for n, lin in model.lin.items()}, model.norms, ropes,
-                        model.cache.k, model.cache.v, model.cache.capacity, threads=threads, attn_scale=model.scale,
-                        embed_mult=embed_mult, kscale=model.cache.k_scale, vscale=model.cache.v_scale, pinned=pinned)
+                        by_layer(model.spec, model.cache.k), by_layer(model.spec, model.cache.v), model.cache.capacity,
+                        threads=threads, attn_scale=model.scale, embed_mult=embed_mult,
+                        kscale=by_layer(model.spec, model.cache.k_scale), vscale=by_layer(model.spec, model.cache.v_scale),
+                        pinned=pinned,
+                        states=[tuple(st.values()) if st else None for st in model.state])
 
 
 def attach_linears(model, lib) -> None:

@@ -107,10 +107,53 @@ class Layers:
         return rms_norm(x, self.vec(name), self.spec.rms_eps, self.spec.norm_offset)
 
     def attn_in(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return self.norm(x, f"layers.{i}.attn_norm.weight") if self.spec.pre_norms else x
+        """The mixer's input (attention or another mixer: formats/mixers.py)."""
+        return self.norm(x, f"layers.{i}.attn_norm.weight") if self.spec.has_norm(i, "attn_norm") else x
 
     def mlp_in(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return self.norm(x, f"layers.{i}.mlp_norm.weight") if self.spec.pre_norms else x
+        return self.norm(x, f"layers.{i}.mlp_norm.weight") if self.spec.has_norm(i, "mlp_norm") else x
+
+    def gdn(self, i: int, qkv: torch.Tensor, zba: torch.Tensor, conv: torch.Tensor | None = None,
+            rec: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A Gated DeltaNet layer between its products, fp32, token by token (what the C core does):
+        qkv [B, T, conv_dim] (the in-projection before the conv), zba [B, T, value_dim + 2 v_heads]
+        (the gate linear: z | b | a), the state before (conv [B, conv_dim, K - 1]: the last K - 1
+        inputs, oldest first; rec [B, v_heads, k_dim, v_dim]; None: zeros) -> (the output [B, T,
+        value_dim] in qkv's dtype, the conv state after, the recurrent state after)."""
+        g = self.spec.gdn
+        b_, t_, c_ = qkv.shape
+        k_ = g.conv_kernel
+        w = self.vec(f"layers.{i}.{C.GDN_CONV}").float()  # [C, K]
+        prev = torch.zeros(b_, k_ - 1, c_) if conv is None else conv.transpose(1, 2).float()
+        xs = torch.cat([prev, qkv.float()], 1)  # [B, K - 1 + T, C]
+        c = xs[:, 0:t_] * w[:, 0]
+        for j in range(1, k_):  # the taps in order, oldest first, as the C core sums them
+            c = c + xs[:, j:j + t_] * w[:, j]
+        new_conv = xs[:, t_:].transpose(1, 2).contiguous()
+        c = F.silu(c)
+        q, k, v = c.split([g.key_dim, g.key_dim, g.value_dim], -1)
+        r = g.v_heads // g.k_heads
+
+        def l2(u):
+            return u * torch.rsqrt((u * u).sum(-1, keepdim=True) + 1e-6)
+        q = l2(q.reshape(b_, t_, g.k_heads, g.k_dim)).repeat_interleave(r, 2) * (1.0 / math.sqrt(g.k_dim))
+        k = l2(k.reshape(b_, t_, g.k_heads, g.k_dim)).repeat_interleave(r, 2)
+        v = v.reshape(b_, t_, g.v_heads, g.v_dim)
+        z, bb, a = zba.float().split([g.value_dim, g.v_heads, g.v_heads], -1)
+        beta = g.beta_scale * torch.sigmoid(bb)
+        decay = torch.exp(-torch.exp(self.vec(f"layers.{i}.{C.GDN_A_LOG}").float())
+                          * F.softplus(a + self.vec(f"layers.{i}.{C.GDN_DT_BIAS}").float()))  # [B, T, Hv]
+        s = torch.zeros(b_, g.v_heads, g.k_dim, g.v_dim) if rec is None else rec.float().clone()
+        o = torch.empty(b_, t_, g.v_heads, g.v_dim)
+        for t in range(t_):  # the delta rule: decay, read, correct, write, then the query reads the new state
+            s *= decay[:, t, :, None, None]
+            kt = k[:, t]
+            delta = (v[:, t] - torch.einsum("bhi,bhij->bhj", kt, s)) * beta[:, t, :, None]
+            s += kt[..., :, None] * delta[..., None, :]
+            o[:, t] = torch.einsum("bhi,bhij->bhj", q[:, t], s)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + g.norm_eps)
+        o = o * self.vec(f"layers.{i}.{C.GDN_NORM}").float() * F.silu(z.reshape(b_, t_, g.v_heads, g.v_dim))
+        return o.reshape(b_, t_, g.value_dim).to(qkv.dtype), new_conv, s
 
     def qkv_heads(self, qkv: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The qkv product [..., T, q_dim + 2 kv_dim] -> q [..., T, heads, D], k and v [..., T, kv_heads,
@@ -145,8 +188,9 @@ class Layers:
     def branch(self, h: torch.Tensor, i: int, role: str) -> torch.Tensor:
         """The o (attention) or down (MLP) product's output as the residual stream adds it:
         sandwich-normed where the family does (Gemma)."""
-        if self.spec.sandwich_norms:
-            h = self.norm(h, f"layers.{i}.{'post_attn_norm' if role == C.ROLE_O else 'post_mlp_norm'}.weight")
+        post = "post_attn_norm" if role == C.ROLE_O else "post_mlp_norm"
+        if self.spec.has_norm(i, post):
+            h = self.norm(h, f"layers.{i}.{post}.weight")
         return h * self.spec.residual_multiplier if self.spec.residual_multiplier != 1.0 else h
 
     def residual(self, x: torch.Tensor, h: torch.Tensor, i: int, role: str) -> torch.Tensor:

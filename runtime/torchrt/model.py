@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from sparkq.formats import constants as C
 from sparkq.formats.rope import rope_tables_bf16
+from sparkq.formats.mixers import mixer_state
 from sparkq.formats.spec import ModelSpec
 
 from ..common import DEFAULT_KV_DTYPE, REFINE_SPLIT, REFINE_TOP, check_fits, check_kv_dtype, kv_bytes_per_token
@@ -52,7 +53,9 @@ class KVCache:
     C core's layout, csrc/sq_abi.h, which reads and writes these same buffers)."""
 
     def __init__(self, spec: ModelSpec, capacity: int, dtype: str = DEFAULT_KV_DTYPE):
-        shape = (spec.layers, spec.kv_heads, capacity, spec.head_dim)
+        # the attention layers' caches, in order (spec.kv_layers); layer -> its index here
+        self.index = {layer: j for j, layer in enumerate(spec.kv_layers)}
+        shape = (len(spec.kv_layers), spec.kv_heads, capacity, spec.head_dim)
         # empty, not zeros: pages are touched only as tokens are written (zeroing 192 MiB cost
         # 0.29 s of load and made the whole budget resident); no read ever reaches an unwritten
         # position (attention reads [start, end) after writing up to end)
@@ -85,7 +88,7 @@ class KVCache:
 
     def write(self, layer: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [kv_heads, T, D] of positions pos0.. into the layer's cache"""
-        end = pos0 + k.shape[1]
+        end, layer = pos0 + k.shape[1], self.index[layer]
         if self.dtype == "bf16":
             self.k[layer, :, pos0:end] = k
             self.v[layer, :, pos0:end] = v
@@ -97,6 +100,7 @@ class KVCache:
 
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys and values [kv_heads, end - start, D] in bf16 (int8: code * scale in fp32, rounded)"""
+        layer = self.index[layer]
         if self.dtype == "bf16":
             return self.k[layer, :, start:end], self.v[layer, :, start:end]
         return tuple((c[layer, :, start:end].float() * s[layer, :, start:end, None].float()).to(torch.bfloat16)
@@ -122,6 +126,9 @@ class Model:
             self.layer_cfg.append(LayerCfg(ropes[key], window))
         self.ropes = list(ropes.values())
         self.cache = KVCache(spec, kv_capacity, kv_dtype)
+        # the recurrent mixers' state of the one sequence (formats/mixers.py: per layer its buffers,
+        # [1, ...] fp32, the C core's too), started afresh by a forward from position 0
+        self.state = mixer_state(spec, 1, lambda shape: torch.zeros(shape, dtype=torch.float32))
         self.layers = Layers(spec, norms.__getitem__)  # the math between the products (layers.py)
         self.scale = self.layers.scale
         self.embed_mult = spec.embed_mult  # Gemma's sqrt(hidden) in bf16, Granite's, or None
@@ -151,6 +158,17 @@ class Model:
         else:
             o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale).transpose(0, 1).reshape(t, s.q_dim)
         return self.lin[f"layers.{i}.o"](self.layers.gate(o, g))
+
+    def _gdn(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        st = self.state[i]
+        if pos0 == 0:
+            for t in st.values():
+                t.zero_()
+        zba = self.lin[f"layers.{i}.{C.ROLE_GATE}"](x)
+        o, conv, rec = self.layers.gdn(i, self.lin[f"layers.{i}.qkv"](x)[None], zba[None], st["conv"], st["recurrent"])
+        st["conv"].copy_(conv)
+        st["recurrent"].copy_(rec)
+        return self.lin[f"layers.{i}.o"](o[0])
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One query token, GQA as a grouped matmul (SDPA takes its slow math path for this
@@ -186,7 +204,8 @@ class Model:
             x = x * self.embed_mult
         lay = self.layers
         for i in range(s.layers):
-            x = lay.residual(x, self._attention(i, lay.attn_in(x, i), pos0), i, C.ROLE_O)
+            mix = self._gdn if s.mixers[i] == C.MIXER_GDN else self._attention
+            x = lay.residual(x, mix(i, lay.attn_in(x, i), pos0), i, C.ROLE_O)
             x = lay.residual(x, self._mlp(i, lay.mlp_in(x, i)), i, C.ROLE_DOWN)
         if last_only:
             x = x[-1:]

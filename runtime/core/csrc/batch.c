@@ -2,7 +2,8 @@
  * the weights (sq_step_many), the head of M hidden states (sq_head_many), and a prompt into one
  * sequence's KV slot (sq_prefill_at). A slot is an element offset (kvoff) into every layer's
  * cache: slot s of a cache laid out [slots, kv_heads, cap, head_dim] starts at
- * s * kv_heads * cap * head_dim (an int8 cache's scales [slots, kv_heads, cap] at kvoff / head_dim). The products are the decode products for M tokens
+ * s * kv_heads * cap * head_dim (an int8 cache's scales [slots, kv_heads, cap] at kvoff / head_dim; a GDN
+ * layer's states: slot s of its conv_state and rec_state, layer_slot). The products are the decode products for M tokens
  * (gemv_dispatch.c products_many), each token's result the single-token product's bit for bit, so
  * a sequence decodes to the same bits alone, beside others, or through sq_step (batch invariance). */
 
@@ -70,14 +71,14 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     if (rows < 1) return NULL;
     sq_batch *b = calloc(1, sizeof(sq_batch));
     if (!b) return NULL;
-    const int64_t M = rows, E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd);
+    const int64_t M = rows, E = m->hidden, H = m->heads, KV = m->kv_heads, I = m->inter;
+    const int64_t maxk = mix_maxk(m);
     b->rows = M;
     b->x = malloc(sizeof(float) * M * E), b->xn = malloc(sizeof(float) * M * maxk);
-    b->qkv = malloc(sizeof(float) * M * nqkv), b->att = malloc(sizeof(float) * M * qd);
+    b->qkv = malloc(sizeof(float) * M * mix_qkv(m)), b->att = malloc(sizeof(float) * M * mix_att(m));
     b->h = malloc(sizeof(float) * M * E), b->gu = malloc(sizeof(float) * M * 2 * I);
     const int64_t items = M * KV * attn_blocks(0, m->cap);
-    b->g = malloc(sizeof(float) * M * H * (m->gate_width > 0 ? m->gate_width : 1));
+    b->g = malloc(sizeof(float) * M * mix_gate(m));
     b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * items * (H / KV) * KVB);
     b->part = malloc(sizeof(float) * items * part_floats(m));
     b->a = acts_new(M, maxk);
@@ -104,7 +105,8 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
     if (M <= 0) return 0;
     if (!b || M > b->rows) return -3;
     const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd), grp = H / KV, pf = part_floats(m);
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), grp = H / KV, pf = part_floats(m);
+    const int64_t gc = gdn_c(m), gvd = gdn_vd(m), gnz = gdn_nz(m); /* a GDN layer's row widths */
     const int off = (int)m->norm_offset;
     float *x = b->x, *xn = b->xn, *qkv = b->qkv, *att = b->att, *h = b->h, *gu = b->gu, *mid = b->mid, *sc = b->sc;
     float *part = b->part;
@@ -114,6 +116,8 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
         for (int64_t t = 0; t < b->rows; t++) a[t].ti = b->ti;
     }
     if (b->ti) b->ti->m = M; /* whether this step's products take the tiles (a16_on) */
+    for (int64_t t = 0; t < M; t++)
+        if (pos[t] == 0) gdn_reset_slot(m, kvoff[t]); /* a new sequence: empty GDN states */
     {
 #pragma omp parallel
         {
@@ -130,55 +134,78 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                     rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * maxk);
                     prep(&L->qkv, xn + t * maxk, &a[t]);
                 }
-                products_many(&L->qkv, a, M, qkv, nqkv);
-                if (L->gate.q) { /* the output gate's products, from the same normed inputs */
+                const int gdn = L->mixer == MIXER_GDN;
+                products_many(&L->qkv, a, M, qkv, gdn ? gc : nqkv);
+                if (L->gate.q) { /* the output gate's products (a GDN layer's z | b | a), from the same normed inputs */
 #pragma omp for schedule(static)
                     for (int64_t t = 0; t < M; t++) prep(&L->gate, xn + t * maxk, &a[t]);
                     products_many(&L->gate, a, M, b->g, L->gate.n);
                 }
-                if (m->qk_norm_full) {
+                if (gdn) { /* each row's GDN items on its own slot's states: sq_step's, one token each */
+                    const int64_t nc = gdn_conv_items(m), ns = gdn_state_items(m), Hv = m->lin_v_heads;
 #pragma omp for schedule(static)
-                    for (int64_t t = 0; t < M; t++) qk_norm_wide(m, L, qkv + t * nqkv);
-                }
+                    for (int64_t it = 0; it < M * nc; it++) {
+                        const int64_t t = it / nc;
+                        const sq_layer Ls = layer_slot(m, L, kvoff[t]);
+                        gdn_conv_item(m, &Ls, it % nc, qkv + t * gc, gc, 1);
+                    }
 #pragma omp for schedule(static)
-                for (int64_t it = 0; it < M * (H + KV); it++) {
-                    const int64_t t = it / (H + KV);
-                    const sq_layer Ls = layer_slot(m, L, kvoff[t]); /* this sequence's slot */
-                    qk_rope_head(m, &Ls, qkv + t * nqkv, pos[t], it % (H + KV));
-                }
-                /* each sequence's attention work items (attention.c), nbm blocks apart: the items
-                 * of sq_step's attention(), their partials laid out as there */
-                int64_t nbm = 1;
-                for (int64_t t = 0; t < M; t++) {
-                    const int64_t nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
-                    nbm = nb > nbm ? nb : nbm;
-                }
+                    for (int64_t it = 0; it < M * 2 * m->lin_k_heads; it++) gdn_l2_item(m, it, qkv, gc); /* row it / (2 Hk) */
+#pragma omp for schedule(static)
+                    for (int64_t it = 0; it < M * ns; it++) {
+                        const int64_t t = it / ns;
+                        const sq_layer Ls = layer_slot(m, L, kvoff[t]);
+                        gdn_state_item(m, &Ls, it % ns, qkv + t * gc, gc, b->g + t * gnz, gnz, 1, att + t * gvd, gvd);
+                    }
+#pragma omp for schedule(static)
+                    for (int64_t it = 0; it < M * Hv; it++) gdn_norm(m, L, it % Hv, b->g + it / Hv * gnz, att + it / Hv * gvd);
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) prep(&L->o, att + t * gvd, &a[t]);
+                } else { /* attention */
+                    if (m->qk_norm_full) {
+#pragma omp for schedule(static)
+                        for (int64_t t = 0; t < M; t++) qk_norm_wide(m, L, qkv + t * nqkv);
+                    }
+#pragma omp for schedule(static)
+                    for (int64_t it = 0; it < M * (H + KV); it++) {
+                        const int64_t t = it / (H + KV);
+                        const sq_layer Ls = layer_slot(m, L, kvoff[t]); /* this sequence's slot */
+                        qk_rope_head(m, &Ls, qkv + t * nqkv, pos[t], it % (H + KV));
+                    }
+                    /* each sequence's attention work items (attention.c), nbm blocks apart: the items
+                     * of sq_step's attention(), their partials laid out as there */
+                    int64_t nbm = 1;
+                    for (int64_t t = 0; t < M; t++) {
+                        const int64_t nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
+                        nbm = nb > nbm ? nb : nbm;
+                    }
 #define SQ_BATCH_ITEM(it) do { \
-                    const int64_t t = (it) / (KV * nbm), g = (it) / nbm % KV, bb = (it) % nbm, start = window_start(L, pos[t]); \
-                    const int64_t nb = attn_blocks(start, pos[t] + 1); \
-                    if (bb < nb) { \
-                        const sq_layer Ls = layer_slot(m, L, kvoff[t]); \
-                        attend_item(m, &Ls, qkv + t * nqkv, start, pos[t] + 1, g, bb, sc + (it) * grp * KVB, \
-                                    part + (t * KV * nbm + g * nb + bb) * pf); \
-                    } \
-                } while (0)
-                if (M == 1) { /* one sequence: sq_step's static runs of blocks (attention.c) */
+                        const int64_t t = (it) / (KV * nbm), g = (it) / nbm % KV, bb = (it) % nbm, start = window_start(L, pos[t]); \
+                        const int64_t nb = attn_blocks(start, pos[t] + 1); \
+                        if (bb < nb) { \
+                            const sq_layer Ls = layer_slot(m, L, kvoff[t]); \
+                            attend_item(m, &Ls, qkv + t * nqkv, start, pos[t] + 1, g, bb, sc + (it) * grp * KVB, \
+                                        part + (t * KV * nbm + g * nb + bb) * pf); \
+                        } \
+                    } while (0)
+                    if (M == 1) { /* one sequence: sq_step's static runs of blocks (attention.c) */
 #pragma omp for schedule(static)
-                    for (int64_t it = 0; it < KV * nbm; it++) SQ_BATCH_ITEM(it);
-                } else { /* sequences of different lengths: their items balanced dynamically */
+                        for (int64_t it = 0; it < KV * nbm; it++) SQ_BATCH_ITEM(it);
+                    } else { /* sequences of different lengths: their items balanced dynamically */
 #pragma omp for schedule(dynamic, 1)
-                    for (int64_t it = 0; it < M * KV * nbm; it++) SQ_BATCH_ITEM(it);
-                }
+                        for (int64_t it = 0; it < M * KV * nbm; it++) SQ_BATCH_ITEM(it);
+                    }
 #undef SQ_BATCH_ITEM
 #pragma omp for schedule(static)
-                for (int64_t it = 0; it < M * H; it++) {
-                    const int64_t t = it / H, hh = it % H, nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
-                    attend_finish(m, part + (t * KV * nbm + hh / grp * nb) * pf, nb, hh % grp, att + t * qd + hh * D);
-                }
+                    for (int64_t it = 0; it < M * H; it++) {
+                        const int64_t t = it / H, hh = it % H, nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
+                        attend_finish(m, part + (t * KV * nbm + hh / grp * nb) * pf, nb, hh % grp, att + t * qd + hh * D);
+                    }
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) {
-                    if (L->gate.q) attn_gate(m, b->g + t * L->gate.n, att + t * qd);
-                    prep(&L->o, att + t * qd, &a[t]);
+                    for (int64_t t = 0; t < M; t++) {
+                        if (L->gate.q) attn_gate(m, b->g + t * L->gate.n, att + t * qd);
+                        prep(&L->o, att + t * qd, &a[t]);
+                    }
                 }
                 products_many(&L->o, a, M, h, E);
 #pragma omp for schedule(static)
@@ -237,7 +264,7 @@ int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64
 int sq_batch_xn(const sq_model *m, void *batch, int64_t t, float *out) {
     const sq_batch *b = batch;
     if (!b || t < 0 || t >= b->rows) return -1;
-    const int64_t maxk = max3(m->hidden, m->inter, m->heads * m->head_dim);
+    const int64_t maxk = mix_maxk(m);
     memcpy(out, b->xn + t * maxk, sizeof(float) * (size_t)m->hidden);
     return 0;
 }

@@ -60,9 +60,17 @@ static void quant_row_q8(const float *x, int64_t n, int8_t *code, uint16_t *scal
 }
 
 /* layer L's view of the KV slot at element offset kvoff of its caches (batch.c: a slot of a
- * [slots, kv_heads, cap, head_dim] cache; the scales' slot offset is kvoff / head_dim) */
+ * [slots, kv_heads, cap, head_dim] cache; the scales' slot offset is kvoff / head_dim); a GDN
+ * layer's view of the same slot's states, slot kvoff / (kv_heads * cap * head_dim) of its
+ * conv_state [slots, C, K - 1] and rec_state [slots, Hv, dk, dv] */
 static inline sq_layer layer_slot(const sq_model *m, const sq_layer *L, int64_t kvoff) {
     sq_layer s = *L;
+    if (L->mixer == MIXER_GDN) {
+        const int64_t per = m->kv_heads * m->cap * m->head_dim, slot = per > 0 ? kvoff / per : 0;
+        if (L->conv_state) s.conv_state = L->conv_state + slot * gdn_c(m) * (m->conv_k - 1);
+        if (L->rec_state) s.rec_state = L->rec_state + slot * m->lin_v_heads * m->lin_k_dim * m->lin_v_dim;
+        return s;
+    }
     if (m->kv_int8) {
         s.kcache = (int8_t *)L->kcache + kvoff, s.vcache = (int8_t *)L->vcache + kvoff;
         s.kscale = L->kscale + kvoff / m->head_dim, s.vscale = L->vscale + kvoff / m->head_dim;

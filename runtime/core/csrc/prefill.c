@@ -1,6 +1,8 @@
 /* A prompt through every layer (sq_prefill): the arithmetic of sq_step for a chunk of tokens at a
  * time -- fp32 residual stream and pointwise parts, the prompt GEMMs (gemm.c), the KV cache (bf16 or int8), and
- * causal (optionally sliding-window) attention over the cache (attention.c). */
+ * causal (optionally sliding-window) attention over the cache (attention.c); a GDN layer's chunk
+ * through its conv and state (gdn.c: the decode step's arithmetic per token, so its states are
+ * those a token-by-token decode leaves given the same products). */
 
 /* Y [M, N] = X [M, K] L^T (+ bias), fp32 in and out */
 static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y, void *xtbuf) {
@@ -30,22 +32,23 @@ static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y, 
 
 /* Tokens [pos0, pos0 + T) of a prompt through every layer, `chunk` tokens at a time (their
  * K/V go to the cache). out: the final-normed hidden state (fp32 [E]) of every token
- * (all != 0, out [T, E]) or of the last one. Returns 0, -1 out of memory, -2 beyond the cache. */
+ * (all != 0, out [T, E]) or of the last one. Returns 0, -1 out of memory, -2 beyond the cache (or GDN
+ * layers of a shape they cannot run, gdn.c). */
 int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk, float *out,
                int64_t all) {
-    if (T <= 0 || pos0 < 0 || pos0 + T > m->cap) return -2;
+    if (T <= 0 || pos0 < 0 || pos0 + T > m->cap || !gdn_model_ok(m)) return -2;
     if (chunk <= 0 || chunk > T) chunk = T;
     const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = max3(E, I, qd), wide = 2 * I > nqkv ? 2 * I : nqkv;
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), wide = imax2(2 * I, mix_qkv(m));
     const int off = (int)m->norm_offset;
     int nthr = 1;
 #ifdef _OPENMP
     nthr = omp_get_max_threads();
 #endif
     float *x = malloc(sizeof(float) * chunk * E), *xn = malloc(sizeof(float) * chunk * maxk);
-    float *big = malloc(sizeof(float) * chunk * wide), *att = malloc(sizeof(float) * chunk * qd);
+    float *big = malloc(sizeof(float) * chunk * wide), *att = malloc(sizeof(float) * chunk * mix_att(m));
     const int64_t gw = H * (m->gate_width > 0 ? m->gate_width : 1); /* the output gate's values per token */
-    float *gv = malloc(sizeof(float) * chunk * gw);
+    float *gv = malloc(sizeof(float) * chunk * mix_gate(m)); /* or a GDN layer's z | b | a */
     float *scr = malloc(sizeof(float) * nthr * PQB * m->cap);
     float *kf = malloc(sizeof(float) * (pos0 + T) * D), *vf = malloc(sizeof(float) * (pos0 + T) * D); /* attention_many */
     void *xt = NULL; /* the bf16 GEMM's activation tiles, shared by every product */
@@ -55,6 +58,7 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
 #else
     int rc = (x && xn && big && att && scr && kf && vf && gv) ? 0 : -1;
 #endif
+    if (!rc && pos0 == 0) gdn_reset_slot(m, 0); /* a new sequence: empty GDN states (m: the slot's view) */
     for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
         const int64_t n = c0 + chunk < T ? chunk : T - c0, p0 = pos0 + c0;
 #pragma omp parallel for schedule(static)
@@ -69,12 +73,17 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
             if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
             if (L->gate.q && (rc = linear_many(&L->gate, xn, n, gv, xt))) break;
+            if (L->mixer == MIXER_GDN) { /* the chunk through the conv and the state (gdn.c), o [n, Vd] */
+#pragma omp parallel
+                gdn_mix_team(m, L, big, gdn_c(m), gv, gdn_nz(m), n, att, gdn_vd(m));
+            } else {
 #pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
-            attention_many(m, L, big, nqkv, p0, n, att, scr, kf, vf);
-            if (L->gate.q)
+                for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
+                attention_many(m, L, big, nqkv, p0, n, att, scr, kf, vf);
+                if (L->gate.q)
 #pragma omp parallel for schedule(static)
-                for (int64_t t = 0; t < n; t++) attn_gate(m, gv + t * gw, att + t * qd);
+                    for (int64_t t = 0; t < n; t++) attn_gate(m, gv + t * gw, att + t * qd);
+            }
             if ((rc = linear_many(&L->o, att, n, xn, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) {

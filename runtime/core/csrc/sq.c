@@ -26,7 +26,7 @@
  * act.c (activation quantization), work.c (the decode workspace), gemv*.c (decode products: portable reference, AVX2, AVX512,
  * gemv_tiles.c the batched step's opt-in int8 tile products over tile_model.c or AMX (gemv_amx.c),
  * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products; gemm_tiles.c the tile GEMM over tile_model.c or AMX), pointwise.c (norms, RoPE,
- * activations, embedding rows), attention*.c (attention.c decode attention: the portable reference,
+ * activations, embedding rows), gdn.c (the Gated DeltaNet layer mixer: conv, delta-rule state, gated norm; its state loops on AVX512 / AVX2 in gdn_simd.c), attention*.c (attention.c decode attention: the portable reference,
  * the dispatch and the schedule, including its block kernels attention_avx2.c / attention_avx512.c;
  * attention_prompt.c prompt attention), head.c (top-k
  * selection and exact refinement of the head's logits), step.c (workspace, sq_step, sq_head),
@@ -52,6 +52,7 @@
 #include "gemm_amx.c"
 #include "gemm.c"
 #include "pointwise.c"
+#include "gdn.c"
 #include "head.c"
 #include "step.c"
 #include "prefill.c"
@@ -60,16 +61,17 @@
 
 int sq_abi(void) { return SQ_ABI; }
 
-/* The ABI as this build compiled it: "abi=6;kinds=int4:0,...;sq_linear=SIZE:q@0,sz@8,...;..."
+/* The ABI as this build compiled it: "abi=14;kinds=int4:0,...;mixers=attention:0,gdn:1;sq_linear=SIZE:q@0,sz@8,...;..."
  * (each field name@offset; sizes and offsets in bytes). runtime/core/abi.py compares it with its
  * ctypes mirror at load and refuses a library that disagrees. */
 #define SQ_DESC_FIELD(type, name) p += snprintf(p, (size_t)(end - p), "%s%s@%zu", first ? "" : ",", #name, \
                                                  offsetof(SQ_DESC_T, name)), first = 0;
 const char *sq_abi_desc(void) {
-    static char buf[2048];
+    static char buf[4096];
     char *p = buf, *end = buf + sizeof buf;
     int first;
     p += snprintf(p, (size_t)(end - p), "abi=%d;kinds=int4:%d,int8:%d,bf16:%d,lut4:%d", SQ_ABI, KIND_INT4, KIND_INT8, KIND_BF16, KIND_LUT4);
+    p += snprintf(p, (size_t)(end - p), ";mixers=attention:%d,gdn:%d", MIXER_ATTN, MIXER_GDN);
 #define SQ_DESC_T sq_linear
     p += snprintf(p, (size_t)(end - p), ";sq_linear=%zu:", sizeof(sq_linear)), first = 1;
     SQ_LINEAR_FIELDS(SQ_DESC_FIELD)

@@ -5,10 +5,12 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 13
+#define SQ_ABI 14
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
+/* layer mixers (sq_layer.mixer; formats/mixers.py Mixer.code, checked against sq_abi_desc) */
+enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
 
 /* one linear: W [N, K] in the artifact's mapping, read in place.
  *   q    int4, lut4: rows32 bytes [N, K/2]; int8: int8 [N, K]; bf16: bf16 [N, K]
@@ -30,13 +32,23 @@ enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
  * its KV cache [kv_heads, cap, head_dim] (bf16, or int8 codes with kscale / vscale: one bf16 scale
  * per (KV head, position) [kv_heads, cap], x = code * scale; NULL for a bf16 cache), rotary dims,
  * sliding window (0 = full), and the attention output gate's linear (gate.q NULL: no gate; see
- * gate_width). */
+ * gate_width).
+ * mixer: MIXER_ATTN, or MIXER_GDN, a Gated DeltaNet layer (gdn.c; shapes in sq_model lin_*), which
+ * reads qkv (in_proj_qkv [C, E], C = 2 Kd + Vd: rows q (Hk dk) | k (Hk dk) | v (Hv dv)), gate (z
+ * [Vd] | b [Hv] | a [Hv] rows as one linear), o (out_proj [E, Vd]) and its fp32 parameters:
+ * conv_w [C, K] (the depthwise causal conv), a_log [Hv], dt_bias [Hv], gnorm [dv] (the gated
+ * RMSNorm's weight, x * w form), and its per-sequence fp32 state: conv_state [slots, C, K - 1]
+ * (the previous K - 1 pre-conv inputs, oldest first) and rec_state [slots, Hv, dk, dv] (S[h][i][j],
+ * i the key dim); a sequence at position 0 empties its slot's states first (gdn.c gdn_reset_slot).
+ * q_norm, k_norm, cos, sin and the KV cache are unused (NULL) there. */
 #define SQ_LAYER_FIELDS(F)                                                                        \
     F(sq_linear, qkv) F(sq_linear, o) F(sq_linear, gate_up) F(sq_linear, down)                    \
     F(const uint16_t *, attn_norm) F(const uint16_t *, mlp_norm) F(const uint16_t *, post_attn_norm) \
     F(const uint16_t *, post_mlp_norm) F(const uint16_t *, q_norm) F(const uint16_t *, k_norm)    \
     F(const uint16_t *, cos) F(const uint16_t *, sin) F(void *, kcache) F(void *, vcache)               \
-    F(uint16_t *, kscale) F(uint16_t *, vscale) F(int64_t, rot) F(int64_t, window) F(sq_linear, gate)
+    F(uint16_t *, kscale) F(uint16_t *, vscale) F(int64_t, rot) F(int64_t, window) F(sq_linear, gate)   \
+    F(int64_t, mixer) F(const float *, conv_w) F(const float *, a_log) F(const float *, dt_bias)  \
+    F(const float *, gnorm) F(float *, conv_state) F(float *, rec_state)
 
 /* the model: shape, act (0 SiLU, 1 GELU-tanh, 2 GELU (erf)), norm_offset (1: (1 + w) norms), refine_top (top
  * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),
@@ -44,13 +56,18 @@ enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
  * embed_mult (0 = off), res_mult (the branch outputs' factor before the residual add, Granite;
  * 0 = 1), gate_width (the attention output gate: each query head's output times sigmoid of its
  * gate_width values of the layer's gate product, 1 per head or head_dim per channel; 0 none), the
- * layers, head, embedding (the head's linear when tied), final norm. */
+ * layers, head, embedding (the head's linear when tied), final norm; the Gated DeltaNet layers'
+ * shape (all 0 without such layers): lin_k_heads Hk, lin_v_heads Hv (a multiple of Hk: value head
+ * h reads key head h / (Hv / Hk)), lin_k_dim dk, lin_v_dim dv, conv_k K (the conv's kernel, <= 16),
+ * beta_scale (1, or 2: OLMo Hybrid's allow_neg_eigval), gnorm_eps (the gated RMSNorm's). */
 #define SQ_MODEL_FIELDS(F)                                                                        \
     F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
     F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
     F(int64_t, refine_top) F(int64_t, kv_int8) F(int64_t, qk_norm_full) F(double, eps) F(double, attn_scale)          \
     F(double, embed_mult) F(double, res_mult) F(int64_t, gate_width)                                                \
-    F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)
+    F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)            \
+    F(int64_t, lin_k_heads) F(int64_t, lin_v_heads) F(int64_t, lin_k_dim) F(int64_t, lin_v_dim)   \
+    F(int64_t, conv_k) F(double, beta_scale) F(double, gnorm_eps)
 
 #define SQ_FIELD_DECL(type, name) type name;
 typedef struct { SQ_LINEAR_FIELDS(SQ_FIELD_DECL) } sq_linear;

@@ -7,6 +7,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
     if (pos < 0 || pos >= m->cap) return -1;
     const int64_t E = m->hidden, I = m->inter;
     const int off = (int)m->norm_offset;
+    if (pos == 0) gdn_reset_slot(m, 0); /* a new sequence: empty GDN states */
     /* one parallel region per token: `single` blocks for the serial parts, worksharing loops
      * for the products and attention (each ends in a barrier), no fork/join per product */
 #pragma omp parallel
@@ -30,16 +31,20 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
                 prep(&L->gate, w->xn, &w->a);
                 products(&L->gate, &w->a, w->g);
             }
-            if (m->qk_norm_full) {
+            if (L->mixer == MIXER_GDN) { /* a Gated DeltaNet layer: its gate product is z | b | a */
+                gdn_mix_team(m, L, w->qkv, gdn_c(m), w->g, gdn_nz(m), 1, w->att, gdn_vd(m));
+            } else {
+                if (m->qk_norm_full) {
 #pragma omp single
-                qk_norm_wide(m, L, w->qkv);
-            }
+                    qk_norm_wide(m, L, w->qkv);
+                }
 #pragma omp for schedule(static)
-            for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
-            attention(m, L, w->qkv, pos, w->scores, w->part, w->att);
+                for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
+                attention(m, L, w->qkv, pos, w->scores, w->part, w->att);
+            }
 #pragma omp single
             {
-                if (L->gate.q) attn_gate(m, w->g, w->att);
+                if (L->gate.q && L->mixer != MIXER_GDN) attn_gate(m, w->g, w->att);
                 prep(&L->o, w->att, &w->a);
             }
             products(&L->o, &w->a, w->h);

@@ -2,7 +2,7 @@
 
 typedef struct {
     float *xn, *qkv, *att, *h, *gu, *mid, *scores, *part; /* scores, part: attention's work items (attention.c) */
-    float *g; /* the attention output gate's product [heads * gate_width] */
+    float *g; /* the gate product: attention's output gate [heads * gate_width], a GDN layer's z | b | a */
     sq_act a;
     int64_t maxk;
     int32_t *cand, *tie; /* refine_split: the candidate rows, and a bucket's members while selecting */
@@ -12,20 +12,39 @@ typedef struct {
 
 void sq_work_free(void *p);
 
-/* NULL when out of memory (nothing left allocated) */
+/* A Gated DeltaNet layer's per-token widths (gdn.c; 0 in a model without such layers): the qkv
+ * product C = 2 Kd + Vd (the conv's channels), the output Vd (o's input), the gate product
+ * z | b | a = Vd + 2 Hv */
+static inline int64_t gdn_vd(const sq_model *m) { return m->lin_v_heads * m->lin_v_dim; }
+static inline int64_t gdn_c(const sq_model *m) { return 2 * m->lin_k_heads * m->lin_k_dim + gdn_vd(m); }
+static inline int64_t gdn_nz(const sq_model *m) { return gdn_vd(m) + 2 * m->lin_v_heads; }
+static inline int64_t imax2(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* The steps' buffer widths per token, the larger of attention's and a GDN layer's: the qkv product,
+ * the mixer output (o's input), the gate product, and the widest activation a product takes */
+static inline int64_t mix_qkv(const sq_model *m) { return imax2((m->heads + 2 * m->kv_heads) * m->head_dim, gdn_c(m)); }
+static inline int64_t mix_att(const sq_model *m) { return imax2(m->heads * m->head_dim, gdn_vd(m)); }
+static inline int64_t mix_gate(const sq_model *m) {
+    return imax2(m->heads * (m->gate_width > 0 ? m->gate_width : 1), gdn_nz(m));
+}
+static inline int64_t mix_maxk(const sq_model *m) { return imax2(max3(m->hidden, m->inter, m->heads * m->head_dim), gdn_vd(m)); }
+
+static int gdn_model_ok(const sq_model *m); /* gdn.c */
+
+/* NULL when out of memory (nothing left allocated), or GDN layers of a shape they cannot run */
 void *sq_work_new(const sq_model *m) {
+    if (!gdn_model_ok(m)) return NULL;
     sq_work *w = calloc(1, sizeof(sq_work));
     if (!w) return NULL;
-    int64_t qd = m->heads * m->head_dim, kvd = m->kv_heads * m->head_dim;
-    int64_t maxk = max3(m->hidden, m->inter, qd);
+    int64_t maxk = mix_maxk(m);
     w->maxk = maxk;
     w->xn = malloc(sizeof(float) * maxk);
-    w->qkv = malloc(sizeof(float) * (qd + 2 * kvd));
-    w->att = malloc(sizeof(float) * qd);
+    w->qkv = malloc(sizeof(float) * mix_qkv(m));
+    w->att = malloc(sizeof(float) * mix_att(m));
     w->h = malloc(sizeof(float) * m->hidden);
     w->gu = malloc(sizeof(float) * 2 * m->inter);
     w->mid = malloc(sizeof(float) * m->inter);
-    w->g = malloc(sizeof(float) * m->heads * (m->gate_width > 0 ? m->gate_width : 1));
+    w->g = malloc(sizeof(float) * mix_gate(m));
     const int64_t items = m->kv_heads * attn_blocks(0, m->cap); /* the most decode attention work items */
     w->scores = malloc(sizeof(float) * items * (m->heads / m->kv_heads) * KVB);
     w->part = malloc(sizeof(float) * items * part_floats(m));

@@ -1,0 +1,59 @@
+"""Derived source tensors: where a family's checkpoints split or join tensors differently from the
+recipe's roles, a view names a new tensor as rows of existing ones, in order. The converter
+(convert/source.py) and the torch runtime's checkpoint reader (runtime/torchrt/api.py) both read
+them; recipes name them like any tensor."""
+from __future__ import annotations
+
+Runs = list  # [(source tensor name, first row, end row)] concatenated in order
+
+
+def _qwen3_5(config: dict, shapes: dict) -> dict:
+    """q_proj [heads * 2 head_dim, hidden] holds each head's query then its output gate ([q_h | g_h]
+    per head): ``<q_proj>:query`` and ``<q_proj>:gate``, each [heads * head_dim, hidden]."""
+    d = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            heads = shape[0] // (2 * d)
+            for part, suffix in ((0, ":query"), (1, ":gate")):
+                out[name + suffix] = ((heads * d, *shape[1:]),
+                                      [(name, (2 * h + part) * d, (2 * h + part + 1) * d) for h in range(heads)])
+    return out
+
+
+def _olmo_hybrid(config: dict, shapes: dict) -> dict:
+    """The names transformers' OLMo Hybrid conversion writes, as its modeling code reads them: the
+    ``attention_layer_norm`` / ``feedforward_layer_norm`` aliases, and the q / k / v conv weights
+    joined into one ``conv1d`` (the recipe splits it [key, key, value]; a checkpoint's own split
+    sizes are not trusted: transformers' save cuts it in three equal parts)."""
+    out = {}
+    for name, shape in shapes.items():
+        for alias, real in (("attention_layer_norm", "input_layernorm"),
+                            ("feedforward_layer_norm", "post_attention_layernorm")):
+            if f".{alias}." in name and name.replace(alias, real) not in shapes:
+                out[name.replace(alias, real)] = (shape, [(name, 0, shape[0])])
+        if name.endswith("linear_attn.q_conv1d.weight") and name.replace("q_conv1d", "conv1d") not in shapes:
+            parts = [name.replace("q_conv1d", p) for p in ("q_conv1d", "k_conv1d", "v_conv1d")]
+            if all(p in shapes for p in parts):
+                out[name.replace("q_conv1d", "conv1d")] = ((sum(shapes[p][0] for p in parts), *shape[1:]),
+                                                           [(p, 0, shapes[p][0]) for p in parts])
+    return out
+
+
+VIEWS = {"qwen3_5": _qwen3_5, "olmo_hybrid": _olmo_hybrid}  # recipe family -> its views
+
+
+def views(family: str, config: dict, shapes: dict) -> dict[str, tuple[tuple, Runs]]:
+    """name -> (shape, runs) of the family's derived tensors over ``shapes`` (name -> shape)."""
+    return VIEWS[family](config, shapes) if family in VIEWS else {}
+
+
+def runs_between(runs: Runs, r0: int, r1: int) -> Runs:
+    """The runs covering rows [r0, r1) of a view."""
+    out, base = [], 0
+    for name, a, b in runs:
+        lo, hi = max(r0, base), min(r1, base + b - a)
+        if lo < hi:
+            out.append((name, a + lo - base, a + hi - base))
+        base += b - a
+    return out
