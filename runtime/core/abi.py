@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 
+from sparkq.formats.mixers import MIXERS as FORMAT_MIXERS
+
 from .builds import KernelUnavailable
 
 ABI = 14
@@ -37,9 +39,9 @@ class SqModel(ctypes.Structure):
         (n, _D) for n in ("beta_scale", "gnorm_eps")]
 
 
-# sq_layer.mixer codes by mixer name (formats/constants.py MIXER_*; csrc/sq_abi.h MIXER_*), checked
+# sq_layer.mixer codes by mixer name (formats/mixers.py MIXERS; csrc/sq_abi.h MIXER_*), checked
 # against the library's at load
-MIXERS = {"attention": 0, "gdn": 1}
+MIXERS = {m.name: m.code for m in FORMAT_MIXERS.values()}  # formats/mixers.py, checked against the library
 
 
 # the norm vectors of a layer, by their field names (also the artifact's names: layers.L.<name>.weight)
