@@ -87,6 +87,13 @@ def open_model(model: str, runtime: str, prefill: str, **kw):
     return _run(do_open, model, runtime, prefill, **kw)
 
 
+def check_draft(draft: str | None, draft_tokens: int) -> dict:
+    """--draft / --draft-tokens as stream keywords (checked)"""
+    if not 1 <= draft_tokens <= 32:
+        _fail(f"--draft-tokens must be in 1..32, got {draft_tokens}")
+    return {} if draft is None else {"draft": draft, "draft_tokens": draft_tokens}
+
+
 def artifact_layout(model: str) -> str | None:
     from sparkq.runtime.opening import artifact_layout as layout
 
@@ -108,6 +115,9 @@ OPT_MIN_P = typer.Option(0.0, "--min-p", help="drop tokens under min_p x the mos
 OPT_REP = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages tokens of the prompt and the answer so far")
 OPT_PRESENCE = typer.Option(0.0, "--presence-penalty", help="subtracted from the logit of every token generated so far")
 OPT_FREQUENCY = typer.Option(0.0, "--frequency-penalty", help="subtracted per occurrence of a generated token")
+OPT_DRAFT = typer.Option(None, "--draft", help="speculative decoding, the same output: ngram (repeats of the prompt "
+                         "and answer so far) or a draft artifact with the same tokenizer (a smaller model)")
+OPT_DRAFT_TOKENS = typer.Option(8, "--draft-tokens", help="the most drafted tokens checked per pass (adapts below it)")
 OPT_THINK = typer.Option(None, "--think/--no-think", help="with a chat template: its thinking switch "
                          "(enable_thinking; SmolLM3, Qwen3); default: the template's")
 

@@ -69,7 +69,10 @@ def inspect_summary(s: dict) -> str:
 def generate_stats(m, rss: dict, threads: int | str) -> str:
     st = m.last_stats
     return (f"[load {m.info.load_seconds:.2f} s | prefill {st.prompt_tokens} tok {st.prefill_tok_s:.1f} tok/s | "
-            f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | RSS anon {rss['RssAnon']:.0f} MiB + "
+            f"decode {st.new_tokens} tok {st.decode_tok_s:.1f} tok/s | "
+            + (f"drafted {st.drafted}, accepted {st.accepted} ({st.accepted / st.drafted:.0%}) in {st.passes} passes | "
+               if st.drafted else "") +
+            f"RSS anon {rss['RssAnon']:.0f} MiB + "
             f"file {rss['RssFile']:.0f} MiB (peak {rss['VmHWM']:.0f}) | threads {threads} | "
             f"layout {m.info.layout or 'bf16 checkpoint'} | decode path {m.info.extra.get('decode_path', '?')} | "
             f"prefill path {m.info.extra.get('prefill_path', '?')}]")

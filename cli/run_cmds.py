@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 
 from . import render as R
-from .common import (OPT_FREQUENCY, OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_LEN, OPT_MIN_P, OPT_PRESENCE, OPT_REP,
+from .common import (OPT_DRAFT, OPT_DRAFT_TOKENS, OPT_FREQUENCY, OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_LEN, OPT_MIN_P, OPT_PRESENCE, OPT_REP,
                      OPT_SEED, OPT_TEMPERATURE, OPT_THINK, OPT_THREADS, OPT_TOP_K, OPT_TOP_P, app, sampling_params,
                      set_thinking)
 from .common import (_fail, _kv, _need_convert_extra, _plot, _prefill_mode, _rss_mib, _run, _runtime, _save,  # noqa: F401
-                     _threads, _threads_low, artifact_layout, open_model)
+                     _threads, _threads_low, artifact_layout, check_draft, open_model)
 
 
 @app.command()
@@ -34,6 +34,8 @@ def generate(
     kv_dtype: Optional[str] = OPT_KV_DTYPE,
     threads: Optional[int] = OPT_THREADS,
     think: Optional[bool] = OPT_THINK,
+    draft: Optional[str] = OPT_DRAFT,
+    draft_tokens: int = OPT_DRAFT_TOKENS,
     prefill: str = typer.Option("auto", "--prefill", help="torch runtime: prompt products of int4 linears above 64 "
                                 "rows: auto (the C W4A8 GEMM where it applies, else dequantize), kernel, or dequant"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token ids, stats)"),
@@ -47,11 +49,14 @@ def generate(
     m = open_model(model, "lite" if lite else "torch" if use_torch else "auto", prefill,
               max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, **_kv(kv_dtype))
     set_thinking(m, think)
+    spec = check_draft(draft, draft_tokens)
+    if spec:
+        spec["draft"] = _run(m.drafter, draft, threads)
     hub = m.info.extra.get("hub")
     if hub and not as_json:
         typer.echo(f"[hub {hub['repo']} revision {hub['revision']} variant {hub['variant']}]", err=True)
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling_params(
-        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed))
+        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed), **spec)
     if as_json:
         r = _run(m.generate, prompt, chat=chat, **kw)
         r["stats"].update(load_s=m.info.load_seconds, kv_capacity=m.info.kv_capacity, layout=m.info.layout, hub=hub,
@@ -88,6 +93,8 @@ def chat(
     kv_dtype: Optional[str] = OPT_KV_DTYPE,
     threads: Optional[int] = OPT_THREADS,
     think: Optional[bool] = OPT_THINK,
+    draft: Optional[str] = OPT_DRAFT,
+    draft_tokens: int = OPT_DRAFT_TOKENS,
     lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (the default for rows32 artifacts)"),
     use_torch: bool = typer.Option(False, "--torch", help="the torch runtime"),
 ):
@@ -102,8 +109,11 @@ def chat(
     m = open_model(model, "lite" if lite else "torch" if use_torch else "auto", "auto",
               max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads, **_kv(kv_dtype))
     set_thinking(m, think)
+    spec = check_draft(draft, draft_tokens)
+    if spec:
+        spec["draft"] = _run(m.drafter, draft, threads)
     session = _run(ChatSession, m, system, sampling=sampling_params(
-        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed))
+        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed), **spec)
     import signal
     # Ctrl-C stops an answer even where SIGINT came in ignored (a shell's background job): Python
     # then installs no KeyboardInterrupt handler of its own
@@ -141,7 +151,8 @@ def chat(
             continue
         st = session.last
         typer.echo(("\n[stopped] " if st["interrupted"] else "\n") +
-                   f"[{st['new_tokens']} tokens; prefilled {st['prefilled']} of {st['prompt_tokens']}]", err=True)
+                   f"[{st['new_tokens']} tokens; prefilled {st['prefilled']} of {st['prompt_tokens']}"
+                   + (f"; drafted {m.last_stats.drafted}, accepted {m.last_stats.accepted}" if spec else "") + "]", err=True)
 
 
 @app.command()
@@ -170,6 +181,8 @@ def serve(
                                      "products on int8 tiles with 15-bit activations, faster there and more exact, "
                                      "but a reply's bits then depend on how many sequences ran beside it "
                                      "(docs/serving.md \"Tiles\")"),
+    draft: Optional[str] = OPT_DRAFT,
+    draft_tokens: int = OPT_DRAFT_TOKENS,
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a chat page at /) that
     decodes concurrent requests together, one pass over the weights per step."""
@@ -186,8 +199,9 @@ def serve(
         _fail("sparkq serve needs starlette and uvicorn: pip install 'sparkq[serve]'")
     from sparkq.runtime.serve.server import serve as run_server
 
+    spec = check_draft(draft, draft_tokens)
+
     _run(run_server, model, host=host, port=port, parallel=parallel, api_key=api_key, kv_budget_mib=kv_budget_mib,
          max_model_len=max_model_len, threads=threads, model_name=model_name, max_queue=max_queue,
          prefix_cache=prefix_cache, echo=lambda s: typer.echo(s, err=True), cors_origins=tuple(cors_origin),
-         batch_tiles=batch_tiles,
-         **_kv(kv_dtype))
+         batch_tiles=batch_tiles, **spec, **_kv(kv_dtype))

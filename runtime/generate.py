@@ -23,6 +23,9 @@ class GenStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_s: float = 0.0
+    drafted: int = 0  # speculative decoding (speculate.py): tokens proposed, accepted, checking passes
+    accepted: int = 0
+    passes: int = 0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -66,6 +69,39 @@ class Generator:
         history): only ids[pos0:] are computed."""
         raise NotImplementedError
 
+    def _states(self) -> list:
+        """a hybrid model's recurrent state buffers (each [slots, ...]; empty for attention only)"""
+        state = getattr(self, "state", None)
+        if state is None:
+            state = getattr(getattr(self, "model", None), "state", None) or []
+        return [a for st in state if st for a in st.values()]
+
+    def verify(self, tokens: list[int], pos: int) -> np.ndarray:
+        """Logits [n, vocab] of tokens fed at pos, pos + 1, ...: row j the bits ``next_logits``
+        gives for tokens[j] after tokens[:j] (speculate.py). Then ``keep(n)`` says how many rows
+        stand. This one: a decode step each; a runtime with the C core checks them in one pass."""
+        self._verified = (tokens, pos, [a[0].clone() if hasattr(a, "clone") else a[0].copy() for a in self._states()])
+        return np.stack([np.array(self.next_logits(t, pos + j), dtype=np.float32) for j, t in enumerate(tokens)])
+
+    def keep(self, n: int) -> None:
+        """Of the last ``verify``'s rows, the first n stand (a recurrent state rewound to them)."""
+        tokens, pos, saved = self._verified
+        if saved and n < len(tokens):
+            for a, c in zip(self._states(), saved):
+                a[0] = c
+            for j in range(n):
+                self.next_logits(tokens[j], pos + j)
+
+    def drafter(self, draft, threads: int | None = None):
+        """``draft``: "ngram", a draft artifact's path, or a drafter (speculate.py); kept per spec"""
+        if not isinstance(draft, str):
+            return draft
+        cache = self.__dict__.setdefault("_drafters", {})
+        if draft not in cache:
+            from .speculate import drafter
+            cache[draft] = drafter(draft, self, threads=threads)
+        return cache[draft]
+
     def resumable(self, n: int, held: int) -> int:
         """Of the first n positions (a prefix of the ``held`` the model last saw, in order), how many
         a next prompt can continue from: all of them, except in a model with recurrent state
@@ -84,11 +120,14 @@ class Generator:
         return self.tokenizer.encode(prompt)
 
     def stream_ids(self, ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                   seed: int | None = None, stop_ids=None, cached: int = 0, sampling: SamplingParams | None = None):
+                   seed: int | None = None, stop_ids=None, cached: int = 0, sampling: SamplingParams | None = None,
+                   draft=None, draft_tokens: int | None = None):
         """Yields generated token ids; raises before any compute if it cannot fit. ``cached``:
         how many leading ids are already in the KV cache (< len(ids)); each yielded token but the
         last is fed back (its K/V cached at the next position). ``sampling``: every sampling
-        control (sampling.py); else temperature, top_p and seed alone."""
+        control (sampling.py); else temperature, top_p and seed alone. ``draft``: speculative
+        decoding ("ngram", a draft artifact, or a drafter: speculate.py), up to ``draft_tokens``
+        checked per pass; the same tokens as without it."""
         sampling = sampling or SamplingParams(temperature, top_p, seed=seed)
         check_request(ids, max_new_tokens)
         sampling.check()
@@ -98,10 +137,18 @@ class Generator:
         st = self.last_stats = GenStats(prompt_tokens=len(ids) - cached)
         t0 = time.perf_counter()
         first = self.prefill_from(ids, cached) if cached else self.first_logits(ids)
+        if draft is not None:  # the drafter reads the prompt too (a draft model prefills it), before the answer
+            draft = self.drafter(draft)
+            draft.warm(0, ids)
         tok = sample_next(first)
         st.prefill_s = st.ttft_s = time.perf_counter() - t0
         st.new_tokens = 1
         yield tok
+        if draft is not None:
+            from .speculate import DEFAULT_DRAFT_TOKENS, decode
+            yield from decode(self, self.drafter(draft), int(draft_tokens or DEFAULT_DRAFT_TOKENS), ids, tok,
+                              sample_next, stop, max_new_tokens, st)
+            return
         pos = len(ids)
         t1 = time.perf_counter()
         while st.new_tokens < max_new_tokens and tok not in stop:

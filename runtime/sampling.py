@@ -6,8 +6,10 @@ Per step, on the model's fp32 logits: ``logit_bias`` (added, OpenAI's), the repe
 one multiplied), presence and frequency penalties (OpenAI's: over the generated tokens), an
 allowed-token mask (structured output), then greedy at temperature 0, else softmax(logits / T)
 restricted by top-k, top-p and min-p (a token kept if its probability is at least min_p times the
-largest), drawn from the request's own generator. Log-probabilities, where asked, are the model's
-(log-softmax of the raw logits), as OpenAI reports them.
+largest), drawn with the uniform of the token's own position in the request's random streams (a
+seed and the token's index: a token does not depend on how many draws came before it, so
+speculative decoding picks the tokens plain decoding would: speculate.py). Log-probabilities, where
+asked, are the model's (log-softmax of the raw logits), as OpenAI reports them.
 """
 from __future__ import annotations
 
@@ -83,7 +85,9 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, prompt_ids=()):
         self.p = params
-        self.rng = np.random.default_rng(params.seed)
+        # the streams' root: the seed, else fresh entropy; token n draws from default_rng([root, n])
+        self.root = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        self.n = 0
         self.counts: dict[int, int] = {}  # generated tokens -> times
         self.seen = set(int(t) for t in prompt_ids)  # prompt + generated (the repetition penalty's)
 
@@ -115,7 +119,8 @@ class Sampler:
             raise RuntimeUserError(f"logit_bias names token {max(self.p.logit_bias)}, outside the vocabulary "
                                    f"(0..{logits.size - 1})")
         z = self.adjusted(logits, mask)
-        tok = choose(z, self.p, self.rng)
+        tok = choose(z, self.p, np.random.default_rng([self.root, self.n]) if self.p.temperature > 0 else None)
+        self.n += 1
         self.accept(tok)
         return tok
 

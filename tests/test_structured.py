@@ -33,14 +33,14 @@ ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @contextlib.contextmanager
-def _serving(art, slots=4, max_model_len=1024):
+def _serving(art, slots=4, max_model_len=1024, **engine):
     import uvicorn
 
     from sparkq.runtime.lite import load
     from sparkq.runtime.serve.engine import Engine
     from sparkq.runtime.serve.server import App, listen_socket
 
-    e = Engine(load(str(art), max_model_len=max_model_len, kv_budget_mib=32, slots=slots, threads=2))
+    e = Engine(load(str(art), max_model_len=max_model_len, kv_budget_mib=32, slots=slots, threads=2), **engine)
     sock = listen_socket("127.0.0.1", 0)
     srv = uvicorn.Server(uvicorn.Config(App(e, "ex").asgi, log_level="warning", access_log=False))
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -14,7 +14,7 @@ from sparkq.formats.mixers import MIXERS as FORMAT_MIXERS
 
 from .builds import KernelUnavailable
 
-ABI = 14
+ABI = 15
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -72,6 +72,7 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_step_many": (ctypes.c_int, [_PTR(SqModel), _P, _P, _I, _P, _P, _P, _P]),
     "sq_head_many": (ctypes.c_int, [_PTR(SqModel), _P, _I, _P, _P]),
     "sq_batch_xn": (ctypes.c_int, [_PTR(SqModel), _P, _I, _P]),
+    "sq_batch_keep": (ctypes.c_int, [_P, _P, _P]),
     "sq_head_exact": (ctypes.c_int, [_PTR(SqModel), _P, _P, _I, _P]),
     "sq_linear_f32": (ctypes.c_int, [_PTR(SqLinear), _P, _P]),
     "sq_linear_batch": (ctypes.c_int, [_PTR(SqLinear), _P, _I, _I, _P, _P]),

@@ -164,6 +164,12 @@ class Session:
         self.vocab, self.embed_rows = head.n, m.embed.n
         lib.sq_set_threads(self.threads)
         self.batch, self.batch_rows = None, 0  # step_many's workspace (reserve_batch)
+        # the GDN layers and their states as numpy [slots, ...] (a rewind's copies), the last
+        # step_many's saved runs (rewind)
+        self.gdn_layers = [i for i in range(spec.layers) if mixers[i] == C.MIXER_GDN]
+        self._states = [tuple(_np(b) for b in states[i]) for i in self.gdn_layers]
+        self._pending: dict = {}
+        self._copies: dict = {}  # slot -> its states' copies before a run (rewind)
         self.tiles = (0, 0)  # step_many's tile products: (from how many sequences, hardware): set_batch_tiles
         self.work = lib.sq_work_new(ctypes.byref(m))
         if not self.work:
@@ -256,10 +262,12 @@ class Session:
                                    "this process runs another build: drop the option or set SPARKQ_KERNEL=amx")
         self.tiles = (int(min_m), hw)
 
-    def step_many(self, tokens, positions, kvoffs) -> np.ndarray:
-        """One decode token per sequence (token, position, KV slot offset each) through every
-        layer and the head, each weight read once: logits fp32 [M, vocab], each row the bits
-        ``step`` gives that sequence alone."""
+    def step_many(self, tokens, positions, kvoffs, rewind: bool = False) -> np.ndarray:
+        """Decode tokens (token, position, KV slot offset each) through every layer and the head,
+        each weight read once: logits fp32 [M, vocab], each row the bits ``step`` gives that token
+        in its sequence alone. A sequence may have several rows, adjacent and at consecutive
+        positions (a run: its drafted tokens, runtime/speculate.py). ``rewind``: a hybrid model's
+        runs can then be cut back to their first rows (``rewind``, before the next call)."""
         tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
         pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
         off = np.ascontiguousarray(kvoffs, dtype=np.int64).reshape(-1)
@@ -272,13 +280,63 @@ class Session:
         self.lib.sq_set_threads(self.gov.threads())
         if self.lib.sq_batch_tiles(*self.tiles):
             raise RuntimeUserError("tile products need AMX tiles: this process runs another build")
+        self._hold(tok.size, pos, off, rewind)
         rc = self.lib.sq_step_many(ctypes.byref(self.m), self.work, self.batch, tok.size, tok.ctypes.data,
                                    pos.ctypes.data, off.ctypes.data, out.ctypes.data)
         if rc == -2:
             raise RuntimeUserError(f"a position of {pos.tolist()} is beyond the KV cache ({self.cap} tokens)")
+        if rc == -4:
+            raise ValueError("step_many: a sequence's rows must be adjacent, at consecutive positions")
         if rc:
             raise MemoryError("sq_step_many could not allocate its activation buffers")
         return self._softcap(out)
+
+    def _hold(self, M: int, pos: np.ndarray, off: np.ndarray, rewind: bool) -> None:
+        """(step_many) for a rewind: each run's slot states copied, the GDN layers' inputs kept"""
+        self._pending = {}
+        runs = [(a, b - a) for a, b in zip(*_runs(pos, off)) if b - a > 1] if rewind and self.gdn_layers else []
+        if not runs:
+            self.lib.sq_batch_keep(self.batch, None, None)
+            return
+        g, n = self.spec.gdn, len(self.gdn_layers)
+        kq = np.empty((n, M, 2 * g.k_heads * g.k_dim + g.v_heads * g.v_dim), np.float32)
+        kz = np.empty((n, M, g.v_heads * (g.v_dim + 2)), np.float32)
+        for a, T in runs:
+            slot = int(off[a]) // self._slot_elems()
+            saved = self._copies.get(slot)  # one buffer set per slot, reused (a Qwen3.5-0.8B slot's is 19 MiB)
+            if saved is None:
+                saved = self._copies[slot] = [tuple(np.empty_like(x[slot]) for x in st) for st in self._states]
+            for st, cp in zip(self._states, saved):
+                for x, c in zip(st, cp):
+                    np.copyto(c, x[slot])
+            self._pending[int(off[a])] = (a, T, saved, kq, kz)
+        self.lib.sq_batch_keep(self.batch, kq.ctypes.data, kz.ctypes.data)
+
+    def _slot_elems(self) -> int:
+        return self.spec.kv_heads * self.cap * self.spec.head_dim
+
+    def rewind(self, kvoff: int, n: int) -> None:
+        """Keep the first n >= 1 rows of the last step_many's run in slot kvoff (taken with
+        ``rewind=True``): a hybrid model's states become those after row n - 1 (the copy from
+        before the run, then the DeltaNet over the kept rows' inputs: the bits of n single steps).
+        An attention layer needs nothing: positions past the kept rows are written again before
+        they are read."""
+        if kvoff not in self._pending:
+            return
+        a, T, saved, kq, kz = self._pending.pop(kvoff)
+        if not 1 <= n <= T:
+            raise ValueError(f"rewind: keep 1..{T} rows, got {n}")
+        if n == T:
+            return
+        slot = kvoff // self._slot_elems()
+        out = np.empty((n, self.spec.gdn.v_heads * self.spec.gdn.v_dim), np.float32)
+        for j, (li, st, copy) in enumerate(zip(self.gdn_layers, self._states, saved)):
+            for x, c in zip(st, copy):
+                x[slot] = c
+            q, z = np.ascontiguousarray(kq[j, a:a + n]), np.ascontiguousarray(kz[j, a:a + n])
+            if self.lib.sq_gdn_mix(ctypes.byref(self.m), ctypes.byref(self.layers[li]), int(kvoff), q.ctypes.data,
+                                   z.ctypes.data, n, out.ctypes.data):
+                raise MemoryError("sq_gdn_mix: out of memory")
 
     def head_many(self, xn) -> np.ndarray:
         """Logits fp32 [M, vocab] of final-normed hidden states [M, hidden], each row the same
@@ -313,6 +371,19 @@ class Session:
         if ids.size == 1:
             return self.step(int(ids[0]), pos0, out)
         return self.head(self.prefill(ids, pos0, True), out)
+
+
+def _np(buf) -> np.ndarray:
+    """a numpy view of a numpy array or a CPU torch tensor (the same memory)"""
+    return buf.numpy() if hasattr(buf, "numpy") and not isinstance(buf, np.ndarray) else buf
+
+
+def _runs(pos: np.ndarray, off: np.ndarray) -> tuple[list[int], list[int]]:
+    """the runs of step_many's rows (adjacent rows of one slot at consecutive positions): starts, ends"""
+    new = np.ones(pos.size, bool)
+    new[1:] = (off[1:] != off[:-1]) | (pos[1:] != pos[:-1] + 1)
+    starts = np.flatnonzero(new).tolist()
+    return starts, starts[1:] + [pos.size]
 
 
 def attn_scale(spec) -> float:

@@ -153,6 +153,14 @@ class LiteModel(Generator):
     def prefill_from(self, ids, pos0: int) -> np.ndarray:
         return self.prefill(list(ids)[pos0:], pos0)
 
+    def verify(self, tokens: list[int], pos: int) -> np.ndarray:
+        """(Generator.verify) the rows in one pass: the batched step's run in slot 0"""
+        self.check_fits(pos + len(tokens))
+        return self.session.step_many(tokens, range(pos, pos + len(tokens)), [0] * len(tokens), rewind=True)
+
+    def keep(self, n: int) -> None:
+        self.session.rewind(0, n)
+
 
 def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mib: float = DEFAULT_KV_BUDGET_MIB,
          threads: int | None = None, verify: bool = False, slots: int = 1,

@@ -18,13 +18,13 @@ next step.
 
 Prefix cache: a slot keeps the prompt it last prefilled. A newcomer takes the free slot whose
 kept prompt shares the longest prefix with its own (else the least recently used one) and
-prefills only the rest, at least its last token; where another slot (running or free) holds a
-longer prefix when the newcomer's prompt starts, those positions are copied from it (prefix.py):
-a response's n choices, a shared system prompt or few-shot context are prefilled once. Only
-positions the prompt path wrote are reused, never the decode steps' (their products sum in
-another order), and the prompt path gives the same bits whole or continued from any position
-(tested), so a reused prefix changes no bit of the answer. On builds whose prompt GEMM depends on the slice length (AVX512-BF16: bf16 from 32
-tokens) the reuse is cut to whole slices, where a fresh prompt's slices begin.
+prefills only the rest, at least its last token; where another slot holds a longer prefix, those
+positions are copied from it (prefix.py): n choices, a shared system prompt are prefilled once.
+Only prompt-path positions are reused (the decode steps' products sum in another order), and the
+prompt path gives the same bits whole or continued from any position (tested), so a reused prefix
+changes no bit of the answer; where the prompt GEMM depends on the slice length (AVX512-BF16) the
+reuse is cut to whole slices. With a drafter (speculate.py) a sequence's step has its drafted
+tokens as extra rows: the same tokens, fewer passes.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ import numpy as np
 
 from ..errors import RuntimeUserError
 from ..sampling import Sampler, SamplingParams, logprobs, top_tokens
+from ..speculate import drafts_for
 from .prefix import Snapshots, copy_positions, shared_prefix
-from .request import Request
+from .request import Request, new_text, run_one
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
 # 64-token slice is ~0.5 s, the longest a running stream waits for a newcomer's prompt
@@ -53,8 +54,10 @@ class Engine:
     """Continuous batching over a LiteModel loaded with ``slots = parallel``."""
 
     def __init__(self, model, *, max_queue: int = 64, prefill_slice: int = PREFILL_SLICE, prefix_cache: bool = True,
-                 batch_tiles: int = 0):
+                 batch_tiles: int = 0, draft=None, draft_tokens: int = 8):
         self.model, self.session, self.tok = model, model.session, model.tokenizer
+        # speculative decoding (speculate.py): a drafter (its sequences keyed by slot), tokens per pass
+        self.draft, self.draft_tokens = draft, int(draft_tokens)
         self.session.set_batch_tiles(batch_tiles)  # opt-in: steps of >= batch_tiles sequences on AMX tiles
         self.parallel = model.slots
         self.slot_cap = min(model.cap, model.max_model_len)  # positions per sequence
@@ -80,7 +83,7 @@ class Engine:
         self.error: BaseException | None = None
         self.metrics = None  # the server's hooks (metrics.py): token(r), finished(r)
         self.stats = {"steps": 0, "max_batch": 0, "decoded": 0, "prefilled": 0, "cached": 0, "completed": 0,
-                      "cancelled": 0}
+                      "cancelled": 0, "drafted": 0, "accepted": 0}
         self.thread = threading.Thread(target=self._loop, name="sparkq-engine", daemon=True)
         self.thread.start()
 
@@ -218,27 +221,7 @@ class Engine:
 
     def _text(self, r: Request, last: bool = False) -> str | None:
         """The new text of r to emit (None: r hit a stop string, finished here)."""
-        out = self.tok.decode([t for t in r.new if t not in self.stop_ids])
-        if r.stop:
-            hit = [i for i in (out.find(s, max(0, r.sent - len(s) + 1)) for s in r.stop) if i >= 0]
-            if hit:
-                cut = min(hit)
-                if cut > r.sent:
-                    r.emit({"delta": out[r.sent:cut]})
-                r.sent = cut
-                return None
-        if out.endswith("\ufffd") and not last:
-            return ""
-        end = len(out)
-        if r.stop and not last:  # hold back a tail that may begin a stop string
-            for s in r.stop:
-                for k in range(min(len(s) - 1, end - r.sent), 0, -1):
-                    if out.endswith(s[:k]):
-                        end = min(end, len(out) - k)
-                        break
-        piece = out[r.sent:end]
-        r.sent = max(r.sent, end)
-        return piece
+        return new_text(r, self.tok.decode([t for t in r.new if t not in self.stop_ids]), last)
 
     def _sample(self, r: Request, logits: np.ndarray, xn=None) -> None:
         """(engine thread, under the lock) r's next token from its logits row (xn: a function giving
@@ -350,6 +333,8 @@ class Engine:
                 plps = self._prompt_logprobs(pre, a, b, xn) if echo and not pre.cancelled else []
                 if self.snaps is not None and self.prefix_cache and pre.slot >= 0:
                     self.snaps.take(pre.slot, b)
+                if self.draft is not None and b == len(pre.ids) and pre.slot >= 0:
+                    self.draft.warm(pre.slot, pre.ids)  # the drafter's prompt (a draft model prefills it) now
                 with self.cv:
                     pre.filled = b
                     if pre.slot >= 0:
@@ -364,37 +349,42 @@ class Engine:
                         else:
                             self._sample(pre, logits[0], lambda xn=xn: xn[-1])
             if dec:
-                toks = [r.new[-1] for r in dec]
-                pos = [len(r.ids) + len(r.new) - 1 for r in dec]
-                offs = [r.slot * self.model.slot_elems for r in dec]
-                logits = s.step_many(toks, pos, offs)
-                with self.cv:
-                    self.stats["steps"] += 1
-                    self.stats["decoded"] += len(dec)
-                    self.stats["max_batch"] = max(self.stats["max_batch"], len(dec))
-                    for i, (r, row) in enumerate(zip(dec, logits)):
-                        if not r.cancelled and not r.done:
-                            self._sample(r, row, lambda i=i: s.batch_xn(i))
+                self._decode(dec)
+
+    def _decode(self, dec: list[Request]) -> None:
+        """(engine thread) one step for every decoding sequence: its last token, and its drafted
+        tokens after it where a drafter is on (rows of one slot: each accepted while it is the token
+        the row before picks; the rest rewound: speculate.py)"""
+        s = self.session
+        drafts = drafts_for(self.draft, dec, self.draft_tokens, self.slot_cap) if self.draft else [[]] * len(dec)
+        toks, pos, offs = [], [], []
+        for r, d in zip(dec, drafts):
+            p0 = len(r.ids) + len(r.new) - 1
+            toks += [r.new[-1]] + d
+            pos += range(p0, p0 + 1 + len(d))
+            offs += [r.slot * self.model.slot_elems] * (1 + len(d))
+        logits = s.step_many(toks, pos, offs, rewind=self.draft is not None)
+        with self.cv:
+            st, i = self.stats, 0
+            st["steps"], st["decoded"], st["max_batch"] = st["steps"] + 1, st["decoded"] + len(dec), max(st["max_batch"], len(dec))
+            for r, d in zip(dec, drafts):
+                used = hits = 0
+                for j in range(1 + len(d)):
+                    if r.cancelled or r.done:
+                        break
+                    self._sample(r, logits[i + j], lambda k=i + j: s.batch_xn(k))
+                    used += 1
+                    if j == len(d) or r.new[-1] != d[j]:
+                        break
+                    hits += 1
+                if d:
+                    s.rewind(offs[i], max(1, used))
+                    r.draft_ctl.observe(len(d), hits)
+                    st["drafted"], st["accepted"] = st["drafted"] + len(d), st["accepted"] + hits
+                i += 1 + len(d)
 
     # -- a blocking helper (tests, scripts) --
 
     def generate(self, ids: list[int], max_tokens: int | None = None, **kw) -> dict:
-        """Run one request to its end: {"ids", "text", "finish"} (from any thread)."""
-        done = threading.Event()
-        out = {"text": "", "finish": None}
-
-        def emit(ev):
-            if "delta" in ev:
-                out["text"] += ev["delta"]
-            elif "logprob" in ev:
-                out.setdefault("logprobs", []).append(ev["logprob"])
-            else:
-                out.update(ev)
-                done.set()
-
-        r = self.submit(Request(list(ids), max_tokens, emit, **kw))
-        done.wait()
-        if "error" in out:
-            raise RuntimeError(out["error"])
-        out["ids"] = list(r.new)
-        return out
+        """Run one request to its end: {"ids", "text", "finish"} (from any thread: request.run_one)."""
+        return run_one(self, ids, max_tokens, **kw)

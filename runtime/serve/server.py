@@ -361,7 +361,8 @@ def listen_socket(host: str, port: int):
 
 def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,
           max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print,
-          kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True, cors_origins=(), batch_tiles: bool = False) -> None:
+          kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True, cors_origins=(), batch_tiles: bool = False,
+          draft: str | None = None, draft_tokens: int = 8) -> None:
     import uvicorn
 
     from ..lite import load
@@ -374,12 +375,18 @@ def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str 
         raise RuntimeUserError(f"{model_path}: no tokenizer.json; the server needs the model's tokenizer")
     from ..core.session import BATCH_TILES_MIN_M
 
-    engine = Engine(m, max_queue=max_queue, prefix_cache=prefix_cache, batch_tiles=BATCH_TILES_MIN_M if batch_tiles else 0)
+    drafter = None
+    if draft is not None:  # speculative decoding: n-gram lookup, or a draft model with a slot per sequence
+        from ..speculate import drafter as make_drafter
+        drafter = make_drafter(draft, m, slots=parallel, threads=threads, kv_dtype=kv_dtype)
+    engine = Engine(m, max_queue=max_queue, prefix_cache=prefix_cache, batch_tiles=BATCH_TILES_MIN_M if batch_tiles else 0,
+                    draft=drafter, draft_tokens=draft_tokens)
     name = model_name or (m.info.extra.get("hub") or {}).get("repo") or str(model_path).rstrip("/").split("/")[-1]
     app = App(engine, name, api_key, cors_origins)
     echo(f"sparkq serve: {name} on http://{host}:{port}/v1 ({parallel} slots x {engine.slot_cap} tokens, {kv_dtype} KV, "
          f"{m.session.threads} threads{', prefix cache off' if not prefix_cache else ''}"
          f"{f', steps of {BATCH_TILES_MIN_M}+ sequences on AMX tiles' if batch_tiles else ''}"
+         f"{f', draft {draft} (up to {draft_tokens} tokens a pass)' if draft else ''}"
          f"{', API key required' if api_key else ''})")
     try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
         uvicorn.Server(uvicorn.Config(app.asgi, host=host, port=port, log_level="warning", access_log=False)).run(

@@ -224,5 +224,21 @@ class LoadedModel(Generator):
     def prefill_from(self, ids: list[int], pos0: int):
         return self.model.forward(torch.tensor(ids[pos0:], dtype=torch.int64), pos0, last_only=True)[-1].float().numpy()
 
+    def verify(self, tokens: list[int], pos: int):
+        """(Generator.verify) through the C core's batched step where the model has it"""
+        fast = self.model.fast
+        if fast is None:
+            self._fast_verify = False
+            return super().verify(tokens, pos)
+        self.model.check_fits(pos + len(tokens))
+        self._fast_verify = True
+        return fast.step_many(tokens, range(pos, pos + len(tokens)), [0] * len(tokens), rewind=True)
+
+    def keep(self, n: int) -> None:
+        if self._fast_verify:
+            self.model.fast.rewind(0, n)
+        else:
+            super().keep(n)
+
     def logits(self, token_ids) -> torch.Tensor:
         return self.model.logits(token_ids)

@@ -55,12 +55,15 @@ typedef struct {
     float *g; /* the attention output gate's products [rows, heads * gate_width] */
     sq_act *a;
     sq_a16 *ti; /* the opt-in tile products' activations (gemv_tiles.c), NULL until a step takes them */
+    int64_t *run0, *runT; /* this step's runs: rows of one slot at consecutive positions */
+    float *keep_qkv, *keep_zba; /* where the next step copies its GDN layers' inputs (sq_batch_keep), or NULL */
 } sq_batch;
 
 void sq_batch_free(void *p) {
     sq_batch *b = p;
     if (!b) return;
     free(b->x); free(b->xn); free(b->g); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc); free(b->part);
+    free(b->run0); free(b->runT);
     acts_free(b->a, b->rows);
     a16_free(b->ti);
     free(b);
@@ -82,20 +85,25 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     b->mid = malloc(sizeof(float) * M * I), b->sc = malloc(sizeof(float) * items * (H / KV) * KVB);
     b->part = malloc(sizeof(float) * items * part_floats(m));
     b->a = acts_new(M, maxk);
+    b->run0 = malloc(sizeof(int64_t) * M), b->runT = malloc(sizeof(int64_t) * M);
     for (int64_t t = 0; b->a && t < M; t++) b->a[t].col = t; /* b->ti: on the first step that takes the tiles */
-    if (!(b->x && b->xn && b->g && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a)) {
+    if (!(b->x && b->xn && b->g && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a && b->run0 && b->runT)) {
         sq_batch_free(b);
         return NULL;
     }
     return b;
 }
 
-/* Token tok[t] of sequence t at position pos[t] of the KV slot at kvoff[t], for t < M (the
- * slots distinct), through every layer and the head: logits fp32 [M, vocab] (a final softcap,
- * if any, is the caller's). sq_step's arithmetic for every row: one parallel region, the decode
- * products for M tokens (products_many: each weight read once per step), attention over each
- * sequence's own slot; batch: an sq_batch_new workspace of >= M rows. Returns 0, -1 out of memory
- * (the tile products' activations), -2 a position beyond the cache, -3 no workspace for M rows. */
+/* Token tok[t] of sequence t at position pos[t] of the KV slot at kvoff[t], for t < M, through
+ * every layer and the head: logits fp32 [M, vocab] (a final softcap, if any, is the caller's).
+ * Rows of one slot form a run: adjacent rows at consecutive positions (a sequence's drafted tokens
+ * checked in one pass: runtime/speculate.py); each row sees the K/V of the rows before it, and a GDN
+ * layer advances the slot's states through the run's tokens in order (the prompt path's items over
+ * T tokens: the bits of one token at a time). sq_step's arithmetic for every row: one parallel
+ * region, the decode products for M tokens (products_many: each weight read once per step),
+ * attention over each sequence's own slot; batch: an sq_batch_new workspace of >= M rows. Returns
+ * 0, -1 out of memory (the tile products' activations), -2 a position beyond the cache, -3 no
+ * workspace for M rows, -4 one slot's rows not one run. */
 int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const int64_t *tok, const int64_t *pos,
                  const int64_t *kvoff, float *logits) {
     sq_work *w = work;
@@ -104,6 +112,18 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
         if (pos[t] < 0 || pos[t] >= m->cap) return -2;
     if (M <= 0) return 0;
     if (!b || M > b->rows) return -3;
+    int64_t R = 0; /* the runs */
+    for (int64_t t = 0; t < M; t++) {
+        if (t > 0 && kvoff[t] == kvoff[t - 1] && pos[t] == pos[t - 1] + 1) {
+            b->runT[R - 1]++;
+            continue;
+        }
+        for (int64_t r = 0; r < R; r++)
+            if (kvoff[b->run0[r]] == kvoff[t]) return -4;
+        b->run0[R] = t, b->runT[R] = 1, R++;
+    }
+    float *keep_qkv = b->keep_qkv, *keep_zba = b->keep_zba;
+    b->keep_qkv = b->keep_zba = NULL; /* one step's */
     const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
     const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), grp = H / KV, pf = part_floats(m);
     const int64_t gc = gdn_c(m), gvd = gdn_vd(m), gnz = gdn_nz(m); /* a GDN layer's row widths */
@@ -127,6 +147,7 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                 if (m->embed_mult != 0.0)
                     for (int64_t i = 0; i < E; i++) x[t * E + i] = bf(to_bf(x[t * E + i] * (float)m->embed_mult));
             }
+            int64_t gi = 0; /* GDN layers so far (each thread's own count) */
             for (int64_t li = 0; li < m->layers; li++) {
                 const sq_layer *L = &m->layer[li];
 #pragma omp for schedule(static)
@@ -141,22 +162,31 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                     for (int64_t t = 0; t < M; t++) prep(&L->gate, xn + t * maxk, &a[t]);
                     products_many(&L->gate, a, M, b->g, L->gate.n);
                 }
-                if (gdn) { /* each row's GDN items on its own slot's states: sq_step's, one token each */
+                if (gdn) { /* each run's GDN items on its own slot's states: sq_step's, over the run's tokens */
                     const int64_t nc = gdn_conv_items(m), ns = gdn_state_items(m), Hv = m->lin_v_heads;
+                    if (keep_qkv) { /* the inputs, for a caller that rewinds the states (sq_batch_keep) */
+#pragma omp single
+                        {
+                            memcpy(keep_qkv + gi * M * gc, qkv, sizeof(float) * (size_t)(M * gc));
+                            memcpy(keep_zba + gi * M * gnz, b->g, sizeof(float) * (size_t)(M * gnz));
+                        }
+                    }
 #pragma omp for schedule(static)
-                    for (int64_t it = 0; it < M * nc; it++) {
-                        const int64_t t = it / nc;
+                    for (int64_t it = 0; it < R * nc; it++) {
+                        const int64_t r = it / nc, t = b->run0[r];
                         const sq_layer Ls = layer_slot(m, L, kvoff[t]);
-                        gdn_conv_item(m, &Ls, it % nc, qkv + t * gc, gc, 1);
+                        gdn_conv_item(m, &Ls, it % nc, qkv + t * gc, gc, b->runT[r]);
                     }
 #pragma omp for schedule(static)
                     for (int64_t it = 0; it < M * 2 * m->lin_k_heads; it++) gdn_l2_item(m, it, qkv, gc); /* row it / (2 Hk) */
 #pragma omp for schedule(static)
-                    for (int64_t it = 0; it < M * ns; it++) {
-                        const int64_t t = it / ns;
+                    for (int64_t it = 0; it < R * ns; it++) {
+                        const int64_t r = it / ns, t = b->run0[r];
                         const sq_layer Ls = layer_slot(m, L, kvoff[t]);
-                        gdn_state_item(m, &Ls, it % ns, qkv + t * gc, gc, b->g + t * gnz, gnz, 1, att + t * gvd, gvd);
+                        gdn_state_item(m, &Ls, it % ns, qkv + t * gc, gc, b->g + t * gnz, gnz, b->runT[r], att + t * gvd,
+                                       gvd);
                     }
+                    gi++;
 #pragma omp for schedule(static)
                     for (int64_t it = 0; it < M * Hv; it++) gdn_norm(m, L, it % Hv, b->g + it / Hv * gnz, att + it / Hv * gvd);
 #pragma omp for schedule(static)
@@ -230,6 +260,18 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
             a16_release();
         }
     }
+    return 0;
+}
+
+/* The next sq_step_many copies each GDN layer's inputs before its conv: the qkv products to
+ * qkv + (g * M + t) * C and the gate's z | b | a to zba + (g * M + t) * (Vd + 2 Hv), for the g-th GDN
+ * layer and row t < M, so a caller can rewind a slot's states to an earlier row of its run (restore
+ * a copy, then sq_gdn_mix over the kept rows: runtime/core/session.py). NULL, NULL: no copies.
+ * Returns 0, -1 no workspace. */
+int sq_batch_keep(void *batch, float *qkv, float *zba) {
+    sq_batch *b = batch;
+    if (!b) return -1;
+    b->keep_qkv = qkv, b->keep_zba = zba;
     return 0;
 }
 

@@ -5,7 +5,7 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 14
+#define SQ_ABI 15
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
