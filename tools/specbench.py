@@ -9,6 +9,7 @@ llama.cpp's llama-server on a GGUF of the same model, plain and with its n-gram 
   python tools/specbench.py ART [--draft DRAFT_ART] [--rounds 3] [--tokens 256] [--serve 1,4]
       [--llama-server BIN --llama-gguf GGUF] [--json OUT]
   python tools/specbench.py ART --row-cost      (a pass of T rows against one step: DraftLength's ROW_COST)
+  python tools/specbench.py ART --oracle        (scripted drafters: right / 3 of 4 / wrong, on any shape)
 """
 from __future__ import annotations
 
@@ -183,6 +184,44 @@ def row_cost(path, threads, rounds):
     return {T: med(v) for T, v in res.items()}
 
 
+class Scripted:
+    """a drafter that knows the answer: right (``every`` 0), wrong (1), or wrong every ``every``-th position"""
+
+    def __init__(self, full, every, vocab):
+        self.full, self.every, self.vocab = full, every, vocab
+
+    def warm(self, key, ids):
+        pass
+
+    def propose_many(self, asks):
+        out = []
+        for _, ids, k in asks:
+            c = self.full[len(ids):len(ids) + k]
+            out.append([(t + 1) % self.vocab if self.every and (len(ids) + j) % self.every == 0 else t
+                        for j, t in enumerate(c)])
+        return out
+
+
+def oracle(path, rounds, tokens, threads):
+    """what checking and rewinding cost on a shape without a natural drafter (synth weights): drafts
+    always right, right 3 of 4, always wrong, against plain decoding"""
+    from sparkq.runtime.lite import load
+    m = load(path, max_model_len=1024, threads=threads)
+    ids = list(range(1000, 1200))
+    ref = list(m.stream_ids(ids, tokens, stop_ids=()))
+    arms = {"plain": None, "right": Scripted(ids + ref, 0, m.spec.vocab), "3 of 4": Scripted(ids + ref, 4, m.spec.vocab),
+            "wrong": Scripted(ids + ref, 1, m.spec.vocab)}
+    res = {a: [] for a in arms}
+    for _ in range(rounds):
+        for a, d in arms.items():
+            assert list(m.stream_ids(ids, tokens, stop_ids=(), draft=d)) == ref
+            res[a].append(m.last_stats.decode_tok_s)
+    base = statistics.median(res["plain"])
+    for a, v in res.items():
+        print(f"{a:7} {statistics.median(v):7.2f} tok/s [{min(v):.2f}..{max(v):.2f}] {statistics.median(v) / base:.2f}x")
+    return {a: med(v) for a, v in res.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("art")
@@ -197,9 +236,13 @@ def main():
     ap.add_argument("--no-generate", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--row-cost", action="store_true", help="only the checking pass's cost per row")
+    ap.add_argument("--oracle", action="store_true", help="only scripted drafters (right / 3 of 4 / wrong)")
     a = ap.parse_args()
     if a.row_cost:
         row_cost(a.art, a.threads, a.rounds)
+        return
+    if a.oracle:
+        oracle(a.art, a.rounds, a.tokens, a.threads)
         return
     from sparkq.runtime.lite import load
     tasks = a.tasks.split(",")
