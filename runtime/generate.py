@@ -69,7 +69,7 @@ class Generator:
         history): only ids[pos0:] are computed."""
         raise NotImplementedError
 
-    def _states(self) -> list:
+    def state_buffers(self) -> list:
         """a hybrid model's recurrent state buffers (each [slots, ...]; empty for attention only)"""
         state = getattr(self, "state", None)
         if state is None:
@@ -80,14 +80,14 @@ class Generator:
         """Logits [n, vocab] of tokens fed at pos, pos + 1, ...: row j the bits ``next_logits``
         gives for tokens[j] after tokens[:j] (speculate.py). Then ``keep(n)`` says how many rows
         stand. This one: a decode step each; a runtime with the C core checks them in one pass."""
-        self._verified = (tokens, pos, [a[0].clone() if hasattr(a, "clone") else a[0].copy() for a in self._states()])
+        self._verified = (tokens, pos, [a[0].clone() if hasattr(a, "clone") else a[0].copy() for a in self.state_buffers()])
         return np.stack([np.array(self.next_logits(t, pos + j), dtype=np.float32) for j, t in enumerate(tokens)])
 
     def keep(self, n: int) -> None:
         """Of the last ``verify``'s rows, the first n stand (a recurrent state rewound to them)."""
         tokens, pos, saved = self._verified
         if saved and n < len(tokens):
-            for a, c in zip(self._states(), saved):
+            for a, c in zip(self.state_buffers(), saved):
                 a[0] = c
             for j in range(n):
                 self.next_logits(tokens[j], pos + j)
@@ -146,8 +146,8 @@ class Generator:
         yield tok
         if draft is not None:
             from .speculate import DEFAULT_DRAFT_TOKENS, decode
-            yield from decode(self, self.drafter(draft), int(draft_tokens or DEFAULT_DRAFT_TOKENS), ids, tok,
-                              sample_next, stop, max_new_tokens, st)
+            yield from decode(self, draft, int(draft_tokens or DEFAULT_DRAFT_TOKENS), ids, tok, sample_next, stop,
+                              max_new_tokens, st)
             return
         pos = len(ids)
         t1 = time.perf_counter()

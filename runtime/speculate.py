@@ -156,8 +156,9 @@ class _Fed:
 class ModelDrafter:
     """A draft model (a LiteModel with as many KV slots as the target's sequences) proposing its
     greedy continuation: per pass, each sequence's draft slot catches up with the tokens it has not
-    seen (the prompt path), then k batched draft steps. A hybrid draft's state is copied where the
-    accepted tokens may end, and restored when fewer were accepted than it saw."""
+    seen (a few as rows of the first draft step, more through the prompt path), then k batched draft
+    steps. A hybrid draft's state is copied where the accepted tokens may end, and restored when
+    fewer were accepted than it saw."""
     name = "model"
 
     def __init__(self, draft, target_tokenizer, target_vocab: int, cost: float = 0.0):
@@ -166,14 +167,18 @@ class ModelDrafter:
         self.cost = cost  # a draft step's cost in target steps (DraftLength)
         self.give_up = GIVE_UP  # a probe catches the draft up on the tokens it skipped: not for ever
         self.fed = [_Fed() for _ in range(draft.slots)]
-        self.hybrid = any(draft.state)
+        self.hybrid = bool(draft.state_buffers())
         self.cap = min(draft.cap, draft.max_model_len)
 
-    def _state(self, slot: int):
-        return [a[slot].copy() for st in self.m.state if st for a in st.values()]
+    def _snap(self, f: _Fed, slot: int) -> None:
+        """a hybrid draft slot's state copied where a pass resumes (into its buffers of the last pass)"""
+        f.snap = f.snap or [np.empty_like(a[slot]) for a in self.m.state_buffers()]
+        for a, c in zip(self.m.state_buffers(), f.snap):
+            np.copyto(c, a[slot])
+        f.snap_at = len(f.ids)
 
     def _restore(self, slot: int, snap) -> None:
-        for a, c in zip([a for st in self.m.state if st for a in st.values()], snap):
+        for a, c in zip(self.m.state_buffers(), snap):
             a[slot] = c
 
     def warm(self, slot: int, ids: list[int]) -> None:
@@ -218,7 +223,7 @@ class ModelDrafter:
                 f = self.fed[slot]
                 f.ids = f.ids + feed[slot]
                 if self.hybrid and len(f.ids) == len(ids):  # the state after the context: where a pass resumes
-                    f.snap, f.snap_at = self._state(slot), len(f.ids)
+                    self._snap(f, slot)
                 out[slot].append(int(np.argmax(logits[i])))
                 feed[slot] = out[slot][-1:]
             live = [a for a in live if len(out[a[0]]) < a[2]]

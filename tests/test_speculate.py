@@ -127,7 +127,7 @@ def test_a_rejected_draft_leaves_the_cache_and_state_as_single_steps_do(arts):
         a.keep(2)
         single = [b.step(t, 20 + j).copy() for j, t in enumerate([5, 6])]
         assert np.array_equal(rows[:2], np.stack(single))
-        for x, y in zip(a._states(), b._states()):
+        for x, y in zip(a.state_buffers(), b.state_buffers()):
             assert np.array_equal(x, y), which
         assert np.array_equal(a.k[:, :, :, :22], b.k[:, :, :, :22]) and np.array_equal(a.v[:, :, :, :22], b.v[:, :, :, :22])
         assert np.array_equal(a.step(77, 22), b.step(77, 22)), which
@@ -361,5 +361,5 @@ def test_a_hybrid_draft_model_rewinds_its_own_state(arts):
     fresh.session.prefill(ctx[:-1], 0)
     fresh.session.step_many([ctx[-1]], [29], [0])
     fresh.session.step_many(new[30:], [30, 31, 32], [0, 0, 0])
-    for a, b in zip(d.m._states(), fresh._states()):
+    for a, b in zip(d.m.state_buffers(), fresh.state_buffers()):
         assert np.array_equal(a, b)

@@ -39,7 +39,7 @@ class Snapshots:
 
     def __init__(self, model, keep: int = SNAPSHOTS):
         self.model, self.keep = model, keep
-        self.arrays = [a for st in model.state if st for a in st.values()]  # each [slots, ...]
+        self.arrays = model.state_buffers()  # each [slots, ...]
         self.at: list[dict[int, list[np.ndarray]]] = [{} for _ in range(model.slots)]
 
     @property
