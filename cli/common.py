@@ -116,7 +116,8 @@ OPT_REP = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages tokens
 OPT_PRESENCE = typer.Option(0.0, "--presence-penalty", help="subtracted from the logit of every token generated so far")
 OPT_FREQUENCY = typer.Option(0.0, "--frequency-penalty", help="subtracted per occurrence of a generated token")
 OPT_DRAFT = typer.Option(None, "--draft", help="speculative decoding, the same output: ngram (repeats of the prompt "
-                         "and answer so far) or a draft artifact with the same tokenizer (a smaller model)")
+                         "and answer so far), mtp (the model's multi-token-prediction block, Qwen3.5) or a draft "
+                         "artifact with the same tokenizer (a smaller model)")
 OPT_DRAFT_TOKENS = typer.Option(8, "--draft-tokens", help="the most drafted tokens checked per pass (adapts below it)")
 OPT_THINK = typer.Option(None, "--think/--no-think", help="with a chat template: its thinking switch "
                          "(enable_thinking; SmolLM3, Qwen3); default: the template's")

@@ -35,6 +35,8 @@ def convert(
                                               "that get the second plane, the most probable tokens' (e.g. 0.0625; default: all)"),
     key_scaling: bool = typer.Option(True, "--key-scaling/--no-key-scaling", help="move powers of two from the keys' "
                                      "large channels onto the queries' (the same q.k; flatter rows for the int8 KV cache)"),
+    mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="keep the multi-token-prediction block a checkpoint ships "
+                             "(Qwen3.5's mtp.*: speculative decoding with --draft mtp; int4, ~3%% of the file)"),
     force: bool = typer.Option(False, "--force", help="replace an existing OUT"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
@@ -51,7 +53,7 @@ def convert(
 
     s = _run(do_convert, source, out, Options(group_size, target, recipe, method, force, not (quiet or as_json), head,
                                                    calib, calib_tokens, kind, "auto" if bpw is None else bpw,
-                                                   key_scaling, head_rows))
+                                                   key_scaling, head_rows, mtp))
     if push_to_hub:
         from sparkq.convert.publish import upload as do_upload
         s["upload"] = _run(do_upload, out, push_to_hub, private=private, revision=revision, base_model=base_model)
@@ -83,12 +85,13 @@ def import_gguf(gguf_file: str, out_dir: str, force: bool = typer.Option(False, 
 @app.command()
 def synth(
     out_dir: str,
-    shape: str = typer.Option("qwen3-1.7b", "--shape", help="qwen3-1.7b | spark-x2.5-1.7b | smollm2-135m"),
+    shape: str = typer.Option("qwen3-1.7b", "--shape", help="qwen3-1.7b | spark-x2.5-1.7b | qwen3.5-0.8b | "
+                              "qwen3.5-2b | smollm2-135m"),
     seed: int = typer.Option(0, "--seed"),
     force: bool = typer.Option(False, "--force"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Write a random-weight bf16 checkpoint of a real model shape (tied)."""
+    """Write a random-weight bf16 checkpoint of a real model shape (its published layout and tensor names)."""
     _need_convert_extra("sparkq synth", ("torch",))
     from sparkq.convert.synth import synth as do_synth
 

@@ -48,6 +48,8 @@ class Options:
     # --head split only: the share of lm_head's rows that get the second plane (a partial split,
     # convert/headrows.py: the rows of the most probable tokens on the calibration text); None: all
     head_rows: float | None = None
+    # keep a multi-token-prediction block the checkpoint ships (Qwen3.5's mtp.*: --draft mtp), 4-bit, uncalibrated
+    mtp: bool = True
 
 
 def target_layout(target: str) -> str:

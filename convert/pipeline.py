@@ -71,8 +71,11 @@ def convert(src: str, out: str, opts: Options) -> dict:
                 if opts.calib_tokens < 1:
                     raise ConvertError("--calib-tokens must be >= 1")
                 ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
-            if opts.bpw is not None:
-                linears, budget_info, head_imp = spend_budget(source, spec, srcs, linears, vectors, ids, opts)
+            if opts.bpw is not None:  # (the MTP block's linears stay int4: the probe's forward does not reach them)
+                mtp = [lin for lin in linears if lin.name.startswith("mtp.")]
+                linears, budget_info, head_imp = spend_budget(source, spec, srcs, [lin for lin in linears if lin not in mtp],
+                                                              vectors, ids, opts)
+                linears += mtp
             for lin in linears:
                 if lin.kind == C.KIND_INT4:
                     try:
@@ -123,7 +126,8 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             continue
                         # (the calibration forward applies the output gate from its bf16 source rows itself)
                         lin = by_name[item]
-                        calibrated = cal is not None and item != C.ROLE_EMBED and role_of(item) != C.ROLE_GATE
+                        calibrated = (cal is not None and item != C.ROLE_EMBED and role_of(item) != C.ROLE_GATE
+                                      and not item.startswith("mtp."))  # (the MTP block: outside the forward)
                         with cal_time():
                             # emptied by gptq_factor, which frees H early and recomputes it if H needs more damping
                             hbox = [cal.hessian(item), lambda item=item: cal.hessian(item)] if calibrated else None
@@ -148,7 +152,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                     lin.rel_error = errors[lin.name]
                 manifest = Manifest(layout, recipe.family, opts.method, spec.tied, by_name,
                                     report.tensor_meta(w.digests, by_name, srcs),
-                                    features={k: recipe.feature(k) for k in FEATURES},
+                                    features={**{k: recipe.feature(k) for k in FEATURES}, "mtp_layers": spec.mtp_layers},
                                     recipe=Path(opts.recipe).name if opts.recipe else recipe.family,
                                     group_size_requested=opts.group_size or recipe.group_size, calibration=cal_info or None,
                                     source=source.origin, converter={"name": "sparkq", "version": sparkq_version()},

@@ -29,6 +29,11 @@ def plan(source: Source, opts: Options):
         spec = ModelSpec.from_recipe(source.config, recipe)
     except SpecError as e:
         raise ConvertError(str(e)) from None
+    n_mtp = recipe.mtp_present(spec, source.shapes) if opts.mtp else 0
+    if n_mtp and source.config.get("mtp_use_dedicated_embeddings"):
+        raise ConvertError("config.json: mtp_use_dedicated_embeddings=true (an MTP block with its own embedding) is "
+                           "not implemented; convert with --no-mtp")
+    spec = replace(spec, mtp_layers=n_mtp)
     if opts.group_size is not None and opts.group_size not in C.GROUP_SIZES:
         raise ConvertError(f"--group-size {opts.group_size} is not supported; choose one of {C.GROUP_SIZES}")
     if opts.head not in (None, *HEAD_MODES):
@@ -97,6 +102,8 @@ def file_order(linears: list[LinearEntry], vectors: dict, spec: ModelSpec):
     for i in range(spec.layers):
         layer_vectors = [n for n in vectors if n.startswith(f"layers.{i}.")]
         order += layer_vectors + [f"layers.{i}.{role}" for role in spec.roles(i)]
+    if spec.mtp_layers:
+        order += [n for n in vectors if n.startswith("mtp.")] + [n for n in spec.linear_shapes() if n.startswith("mtp.")]
     order += ["norm.weight"] + ([C.ROLE_EMBED] if not spec.tied else []) + [C.ROLE_LM_HEAD]
     entries = []
     for item in order:

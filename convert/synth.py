@@ -4,6 +4,7 @@ safetensors + config + a byte-level tokenizer; deterministic for a given seed.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,15 +42,16 @@ SHAPES = {
     # Qwen3.5 (Gated DeltaNet hybrids), their text models as published in the
     # Qwen3_5ForConditionalGeneration checkpoints: three DeltaNet layers (16 key / 16 value heads of
     # 128, conv kernel 4) before each gated full-attention layer (head_dim 256, rotary 0.25), a tied
-    # 248320-row embedding. 0.8B: Qwen/Qwen3.5-0.8B's config.json; 2B: hidden 2048 and the
-    # family's layout as published, its MLP width and layer count as the 0.8B's ratios give them
+    # 248320-row embedding, one multi-token-prediction layer (mtp.*). 0.8B: Qwen/Qwen3.5-0.8B's
+    # config.json; 2B: hidden 2048 and the family's layout as published, its MLP width and layer count
+    # as the 0.8B's ratios give them
     "qwen3.5-0.8b": {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 1024,
         "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
         "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
         "vocab_size": 248320, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-        "hidden_act": "silu", "attn_output_gate": True, "torch_dtype": "bfloat16",
+        "hidden_act": "silu", "attn_output_gate": True, "torch_dtype": "bfloat16", "mtp_num_hidden_layers": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
     },
@@ -84,6 +86,8 @@ def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bo
     cfg = dict(SHAPES[shape])
     recipe = next(r for r in builtin_recipes().values() if cfg["architectures"][0] in r.architectures)
     spec = ModelSpec.from_recipe(cfg, recipe)
+    if recipe.mtp_names:  # the multi-token-prediction block the published checkpoints carry
+        spec = replace(spec, mtp_layers=int(cfg.get("mtp_num_hidden_layers", 0)))
     names = recipe.source_names(spec)
     shapes: dict[str, tuple[int, ...]] = {}
     for lin, (n, k) in spec.linear_shapes().items():

@@ -31,6 +31,10 @@ Tensor names (``L`` is the layer index)::
              layers.L.gate in a model with an attention output gate (Spark2_5's g_proj:
              rows [heads * width, hidden], width 1 per head or head_dim per channel)
     norms:   layers.L.attn_norm, layers.L.mlp_norm, norm
+    mtp:     a multi-token-prediction block (Qwen3.5's mtp.*; features.mtp_layers > 0): mtp.fc
+             [hidden, 2 hidden] over [norm_e(embed(next token)) | norm_h(hidden state)] with
+             norms mtp.enorm / mtp.hnorm, then attention layers mtp.layers.J.* (every tensor of
+             layers.L.* for an attention layer) and mtp.norm; the head and embedding are shared
     _pad.I   uint8 [n]  alignment padding between tensors (ignored by readers)
 
 A tied embedding is stored once, as ``lm_head``: the runtime gathers and dequantizes
@@ -95,6 +99,9 @@ LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)  # every layer's
 HEAD_ROLES = (ROLE_LM_HEAD, ROLE_EMBED)  # the (tied) embedding/head
 ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES
 LAYER_NORMS = ("attn_norm", "mlp_norm")
+# the multi-token-prediction block (see above): its input projection and norms, its layers' prefix
+MTP_FC, MTP_NORM, MTP_ENORM, MTP_HNORM = "mtp.fc", "mtp.norm.weight", "mtp.enorm.weight", "mtp.hnorm.weight"
+MTP_LAYER = "mtp.layers.{j}."
 DTYPE_F32 = "F32"
 
 # Layer mixers (formats/mixers.py): what mixes a layer's tokens before its MLP

@@ -40,6 +40,9 @@ class Recipe:
     config_known: tuple[str, ...] = ()
     # [layer.<mixer>] tables: a mixer's own names for its layers' tensors (formats/mixers.py), over [layer]'s
     mixer_names: tuple = ()
+    # [mtp] table: the checkpoint's multi-token-prediction block (fc, norm, enorm, hnorm, prefix of its
+    # layers, named as [layer] names its tensors); empty: the family has none
+    mtp_names: tuple = ()
 
     def feature(self, name: str):
         return dict(self.features).get(name, FEATURES[name])
@@ -73,6 +76,28 @@ class Recipe:
         pre = self.layer_prefix.format(i=i)
         return [pre + n for n in names]
 
+    def mtp_sources(self, spec: "ModelSpec") -> dict[str, list[str]]:
+        """The artifact's MTP tensors (spec.mtp_layers attention layers, fc, norms) -> source names."""
+        if not spec.mtp_layers:
+            return {}
+        t = dict(self.mtp_names)
+        out = {C.MTP_FC: [t["fc"]], C.MTP_NORM: [t["norm"]], C.MTP_ENORM: [t["enorm"]], C.MTP_HNORM: [t["hnorm"]]}
+        for j in range(spec.mtp_layers):
+            pre, art = t["prefix"].format(j=j), C.MTP_LAYER.format(j=j)
+            for role in spec.layer_roles + tuple(f"{n}.weight" for n in spec.mtp_norms):
+                v = self.layer_names[role.removesuffix(".weight")]
+                out[art + role] = [pre + x for x in (v if isinstance(v, list) else [v])]
+        return out
+
+    def mtp_present(self, spec: "ModelSpec", names) -> int:
+        """How many MTP layers a checkpoint with tensors ``names`` holds whole (0: none, or no [mtp] table)."""
+        from dataclasses import replace
+        n = 0
+        while self.mtp_names and all(s in names for srcs in self.mtp_sources(replace(spec, mtp_layers=n + 1)).values()
+                                     for s in srcs):
+            n += 1
+        return n
+
     def source_names(self, spec: "ModelSpec") -> dict[str, list[str]]:
         """Artifact linear name or vector tensor name -> HF source tensor names (parts in
         fusion order; fused vectors such as the qkv bias are concatenated)."""
@@ -88,6 +113,7 @@ class Recipe:
             if spec.qkv_bias and mixer == C.MIXER_ATTENTION:
                 out[f"layers.{i}.qkv.bias"] = self.layer_sources("qkv_bias", i)
         out["norm.weight"] = [self.global_names["norm"]]
+        out.update(self.mtp_sources(spec))
         if spec.tied:
             out[C.ROLE_LM_HEAD] = [self.global_names["embed"]]
         else:
@@ -113,6 +139,7 @@ FEATURES = {
     "linear_attention": False,  # Gated DeltaNet layers (layer type linear_attention; formats/mixers.py)
     "gdn_norm_eps": 0.0,      # the Gated DeltaNet output norm's eps (0: rms_norm_eps; OLMo Hybrid fixes 1e-5)
     "rope_optional": False,   # rope_theta: null means no RoPE (OLMo Hybrid 7B), not the default theta
+    "mtp_layers": 0,          # multi-token-prediction layers the artifact holds (the converter sets it: [mtp])
 }
 ACTS = ("silu", "gelu_tanh", "gelu")
 GATES = ("none", "head", "channel")
@@ -146,6 +173,12 @@ def _config_table(d, path: str) -> tuple[tuple, tuple[str, ...]]:
     return tuple(sorted((k, v) for k, v in d.get("defaults", {}).items())), tuple(d.get("known", []))
 
 
+def _mtp_table(d, path: str) -> tuple:
+    if d and (not isinstance(d, dict) or set(d) != {"fc", "norm", "enorm", "hnorm", "prefix"}):
+        raise SpecError(f"recipe {path}: [mtp] names fc, norm, enorm, hnorm and prefix (with {{j}}), nothing else")
+    return tuple(sorted(d.items()))
+
+
 def _group_size(v, path: str, key: str) -> int | None:
     if v is not None and (type(v) is not int or v not in C.GROUP_SIZES):
         raise SpecError(f"recipe {path}: [quant] {key} must be one of {C.GROUP_SIZES}; got {v!r}")
@@ -168,6 +201,7 @@ def _recipe_from_dict(d: dict, path: str) -> Recipe:
             layer_prefix=d["layer"]["prefix"],
             layer_names={k: v for k, v in d["layer"].items() if k != "prefix" and not isinstance(v, dict)},
             mixer_names=tuple(sorted((k, v) for k, v in d["layer"].items() if isinstance(v, dict))),
+            mtp_names=_mtp_table(d.get("mtp", {}), path),
             group_size=_group_size(q.get("group_size", 128), path, "group_size"),
             group_size_fallbacks=tuple(int(x) for x in q.get("group_size_fallbacks", (64, 32))),
             keep_bf16=_roles(q.get("keep_bf16", []), "keep_bf16", path),
@@ -225,7 +259,7 @@ TEXT_MODELS = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text",
                                        (("language_model.model.", "language_model.lm_head."),
                                         ("model.language_model.", "lm_head."))),
-    # (its multi-token-prediction head, mtp.*, is dropped with the vision tower)
+    # (its multi-token-prediction block, mtp.*, keeps its names: recipes/qwen3_5.toml [mtp])
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text", (("model.language_model.", "lm_head."),)),
 }
 
@@ -257,6 +291,8 @@ def text_model_view(config: dict, names) -> tuple[dict, dict[str, str]]:
             out["model." + n[len(model_prefix):]] = n
         elif n.startswith(head_prefix):
             out["lm_head." + n[len(head_prefix):]] = n
+        elif n.startswith("mtp."):
+            out[n] = n
     if "lm_head.weight" not in out:  # no head of its own: the embedding is the head, whatever the config says
         text["tie_word_embeddings"] = True
     return text, out

@@ -52,6 +52,7 @@ class ModelSpec:
     # rows): 0 none, 1 one scalar per head (Spark2_5), head_dim one per channel (Qwen3-Next style)
     attn_gate: int = 0
     gdn: GDNShape | None = None  # the Gated DeltaNet layers' geometry (layer type linear_attention)
+    mtp_layers: int = 0  # the multi-token-prediction block's attention layers in the artifact (constants.py)
 
     @property
     def mixers(self) -> tuple[str, ...]:
@@ -68,6 +69,11 @@ class ModelSpec:
     def roles(self, i: int) -> tuple[str, ...]:
         """Layer i's linears, in the order the layer runs them (a gate reads the mixer's input)."""
         return tuple(MIXERS[self.mixers[i]].linears(self)) + (C.ROLE_GATE_UP, C.ROLE_DOWN)
+
+    @property
+    def mtp_norms(self) -> tuple[str, ...]:
+        """An MTP layer's norm vectors (an attention layer's: mtp.layers.J.<name>.weight)."""
+        return MIXERS[C.MIXER_ATTENTION].norms(self)
 
     @property
     def layer_roles(self) -> tuple[str, ...]:
@@ -139,7 +145,7 @@ class ModelSpec:
                     norm_offset: bool = False, sandwich_norms: bool = False, embed_scale: bool = False,
                     act: str = "silu", pre_norms: bool = True, qk_norm_full: bool = False,
                     attn_gate: str = "none", linear_attention: bool = False, gdn_norm_eps: float = 0.0,
-                    rope_optional: bool = False) -> "ModelSpec":
+                    rope_optional: bool = False, mtp_layers: int = 0) -> "ModelSpec":
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
@@ -185,6 +191,7 @@ class ModelSpec:
                 if cfg.get("original_max_position_embeddings") else None,
                 attn_gate=_gate_width(cfg, attn_gate),
                 gdn=gdn_shape(cfg, gdn_norm_eps) if linear_attention else None,
+                mtp_layers=int(mtp_layers),
             )
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
@@ -241,6 +248,13 @@ class ModelSpec:
                 out[f"layers.{i}.{role}"] = shape
             out[f"layers.{i}.gate_up"] = (2 * self.intermediate, self.hidden)
             out[f"layers.{i}.down"] = (self.hidden, self.intermediate)
+        if self.mtp_layers:
+            out[C.MTP_FC] = (self.hidden, 2 * self.hidden)
+        for j in range(self.mtp_layers):
+            for role, shape in MIXERS[C.MIXER_ATTENTION].linears(self).items():
+                out[C.MTP_LAYER.format(j=j) + role] = shape
+            out[C.MTP_LAYER.format(j=j) + C.ROLE_GATE_UP] = (2 * self.intermediate, self.hidden)
+            out[C.MTP_LAYER.format(j=j) + C.ROLE_DOWN] = (self.hidden, self.intermediate)
         if not self.tied:
             out[C.ROLE_EMBED] = (self.vocab, self.hidden)
         out[C.ROLE_LM_HEAD] = (self.vocab, self.hidden)
@@ -281,6 +295,11 @@ class ModelSpec:
             for n, shape in self.params(i).items():
                 out[f"layers.{i}.{n}"] = shape
         out["norm.weight"] = (self.hidden,)
+        for j in range(self.mtp_layers):
+            for n in self.mtp_norms:
+                out[C.MTP_LAYER.format(j=j) + n + ".weight"] = self._norm_shape(n)
+        if self.mtp_layers:
+            out.update({n: (self.hidden,) for n in (C.MTP_NORM, C.MTP_ENORM, C.MTP_HNORM)})
         return out
 
 

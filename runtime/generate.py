@@ -136,9 +136,9 @@ class Generator:
         sample_next = Sampler(sampling, ids)
         st = self.last_stats = GenStats(prompt_tokens=len(ids) - cached)
         t0 = time.perf_counter()
+        draft = None if draft is None else self.drafter(draft)  # (before the prompt: an MTP drafter reads its states)
         first = self.prefill_from(ids, cached) if cached else self.first_logits(ids)
         if draft is not None:  # the drafter reads the prompt too (a draft model prefills it), before the answer
-            draft = self.drafter(draft)
             draft.warm(0, ids)
         tok = sample_next(first)
         st.prefill_s = st.ttft_s = time.perf_counter() - t0

@@ -15,8 +15,9 @@ K/V are written again before they are read, and a hybrid model's recurrent state
 (Session.rewind).
 
 Drafters: ``NgramDrafter`` (the longest recent n-gram of the prompt and output so far that occurred
-before, and what followed it: no second model) and ``ModelDrafter`` (a smaller artifact with the
-same vocabulary, greedy, its KV slots beside the target's). ``DraftLength`` adapts how many tokens
+before, and what followed it: no second model), ``ModelDrafter`` (a smaller artifact with the
+same vocabulary, greedy, its KV slots beside the target's) and the model's own multi-token-prediction
+block (mtp.py). ``DraftLength`` adapts how many tokens
 to draft from the acceptance so far (never from timings: a seed reproduces a run).
 """
 from __future__ import annotations
@@ -251,10 +252,13 @@ def check_vocab(draft, target_tokenizer) -> None:
 
 
 def drafter(spec: str, target, *, slots: int = 1, threads: int | None = None, kv_dtype: str | None = None):
-    """``ngram`` or a draft artifact's path / Hub id (loaded on the torch-free runtime, ``slots``
-    sequences) -> a drafter for ``target`` (a Generator)."""
+    """``ngram``, ``mtp`` (the artifact's MTP block) or a draft artifact's path / Hub id (loaded on the
+    torch-free runtime, ``slots`` sequences) -> a drafter for ``target`` (a Generator)."""
     if spec == "ngram":
         return NgramDrafter()
+    if spec == "mtp":  # the model's own multi-token-prediction block (runtime/mtp.py)
+        from .mtp import mtp_drafter
+        return mtp_drafter(target, slots=slots, threads=threads)
     from .common import DEFAULT_KV_DTYPE
     from .lite import load as load_lite
     from pathlib import Path
@@ -280,7 +284,8 @@ def step_bytes(gen) -> int:
     """the bytes of weights one decode step of a loaded model reads (0: unknown, a bf16 checkpoint)"""
     from .common import decode_read_bytes
     t = getattr(gen, "tensors", None) or {}
-    return sum(decode_read_bytes(k, int(v.nbytes), int(v.shape[0])) for k, v in t.items() if len(v.shape))
+    return sum(decode_read_bytes(k, int(v.nbytes), int(v.shape[0])) for k, v in t.items()
+               if len(v.shape) and not k.startswith("mtp."))  # (an MTP block is read by its drafter only)
 
 
 def drafts_for(draft, reqs: list, kmax: int, cap: int) -> list[list[int]]:

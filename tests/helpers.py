@@ -78,12 +78,14 @@ def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=
 
 
 def make_hybrid(out: Path, arch: str = "qwen3_5", *, hidden=128, inter=256, layers=4, vocab=320, tied=False,
-                seed=0, dtype=torch.bfloat16, **extra) -> Path:
+                seed=0, dtype=torch.bfloat16, mtp: bool = False, **extra) -> Path:
     """A random Gated DeltaNet hybrid (three linear_attention layers, then full attention) saved as
     an HF checkpoint with a tokenizer: ``qwen3_5`` (Qwen3_5ForCausalLM), ``qwen3_5_vl`` (the
     published Qwen3_5ForConditionalGeneration wrapper, a tiny vision tower) or ``olmo_hybrid``.
     Parameters drawn so that every part matters: (1 + w) norms near 0, the DeltaNet's decay slow
-    (A_log, dt_bias as trained models have them), conv taps of both signs."""
+    (A_log, dt_bias as trained models have them), conv taps of both signs. ``mtp``: plus a random
+    multi-token-prediction block as Qwen3.5 checkpoints ship it (mtp.*, which transformers does not
+    build: added to the saved weights)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -126,9 +128,30 @@ def make_hybrid(out: Path, arch: str = "qwen3_5", *, hidden=128, inter=256, laye
             else:
                 p.uniform_(-0.2, 0.2)
     model.to(dtype).save_pretrained(out, safe_serialization=True)
+    if mtp:
+        _add_mtp(out / "model.safetensors", hidden, inter, heads=4, kv_heads=2, head_dim=64, dtype=dtype)
     (out / "tokenizer.json").write_text(byte_tokenizer(vocab))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
     return out
+
+
+def _add_mtp(path: Path, E: int, I: int, *, heads: int, kv_heads: int, head_dim: int, dtype) -> None:
+    """Qwen3.5's mtp.* tensors (one layer), random, appended to a saved checkpoint's weights"""
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(path))
+    mats = {"fc.weight": (E, 2 * E), "layers.0.self_attn.q_proj.weight": (2 * heads * head_dim, E),
+            "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, E),
+            "layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, E),
+            "layers.0.self_attn.o_proj.weight": (E, heads * head_dim), "layers.0.mlp.gate_proj.weight": (I, E),
+            "layers.0.mlp.up_proj.weight": (I, E), "layers.0.mlp.down_proj.weight": (E, I)}
+    norms = {"layers.0.input_layernorm.weight": E, "layers.0.post_attention_layernorm.weight": E,
+             "layers.0.self_attn.q_norm.weight": head_dim, "layers.0.self_attn.k_norm.weight": head_dim,
+             "norm.weight": E, "pre_fc_norm_embedding.weight": E, "pre_fc_norm_hidden.weight": E}
+    for n, shape in mats.items():
+        t["mtp." + n] = (torch.randn(shape) * 0.08).to(dtype)
+    for n, d in norms.items():
+        t["mtp." + n] = torch.empty(d).uniform_(-0.2, 0.2).to(dtype)
+    save_file(t, str(path), metadata={"format": "pt"})
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}"
@@ -222,3 +245,19 @@ def assert_batched_step_is_single(art, prompts, max_model_len=64):
     for i, p in enumerate(prompts):
         single.prefill(p)
         assert np.array_equal(got[i], single.step(7 + i, len(p))), i
+
+
+def generate_at_once(engine, ids: list, max_tokens: int, kws: list) -> tuple[list, dict]:
+    """each prompt of ids (with its keywords) submitted at once from its own thread: the results in
+    order and the engine's load counters after them; the engine is closed"""
+    import threading
+    got = [None] * len(ids)
+    ths = [threading.Thread(target=lambda k=k: got.__setitem__(k, engine.generate(ids[k], max_tokens, **kws[k])))
+           for k in range(len(ids))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    load = engine.load()
+    engine.close()
+    return got, load

@@ -6,12 +6,11 @@ as single steps leave them; the server's batched steps with drafts give each req
 the CLI's flags and refusals."""
 import contextlib
 import json
-import threading
 
 import numpy as np
 import pytest
 
-from helpers import kernel_builds, make_hybrid, make_llama, run_cli
+from helpers import generate_at_once, kernel_builds, make_hybrid, make_llama, run_cli
 from sparkq.convert.pipeline import Options, convert
 from sparkq.runtime.sampling import Sampler, SamplingParams
 from sparkq.runtime.speculate import DraftLength, NgramDrafter
@@ -212,14 +211,7 @@ def test_the_server_gives_each_request_its_bits_alone(arts):
         if spec == str(arts["hybrid"]):  # the model drafting for itself, priced free: a hybrid draft's
             d.cost, d.give_up = 0.0, 0  # state copies in 4 slots at once, drafting all along
         e = Engine(m, draft=d, draft_tokens=5)
-        got = [None] * 4
-        ths = [threading.Thread(target=lambda k=k: got.__setitem__(k, e.generate(ids[k], 40, **kws[k]))) for k in range(4)]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        load_ = e.load()
-        e.close()
+        got, load_ = generate_at_once(e, ids, 40, kws)
         for a, b in zip(got, ref):
             assert (a["ids"], a["text"], a["finish"]) == (b["ids"], b["text"], b["finish"]), spec
         assert load_["max_batch"] > 1, load_

@@ -9,7 +9,9 @@ llama.cpp's llama-server on a GGUF of the same model, plain and with its n-gram 
   python tools/specbench.py ART [--draft DRAFT_ART] [--rounds 3] [--tokens 256] [--serve 1,4]
       [--llama-server BIN --llama-gguf GGUF] [--json OUT]
   python tools/specbench.py ART --row-cost      (a pass of T rows against one step: DraftLength's ROW_COST)
-  python tools/specbench.py ART --oracle        (scripted drafters: right / 3 of 4 / wrong, on any shape)
+  python tools/specbench.py ART --oracle        (scripted drafters: right / 3 of 4 / wrong, on any shape;
+                                                 and the artifact's MTP block where it has one)
+  python tools/specbench.py ART --mtp-cost      (an MTP block's draft step against a decode step)
 """
 from __future__ import annotations
 
@@ -184,6 +186,39 @@ def row_cost(path, threads, rounds):
     return {T: med(v) for T, v in res.items()}
 
 
+def mtp_cost(path, threads, rounds):
+    """an MTP block's draft step (its layer, fc and the model's head) against the model's decode step"""
+    import numpy as np
+
+    from sparkq.runtime.lite import load
+    from sparkq.runtime.mtp import MtpBlock
+    m = load(path, max_model_len=1024, threads=threads)
+    h = m.session.prefill(list(range(100, 400)), last_only=False)
+    b = MtpBlock(path, slots=1, cap=m.cap, threads=m.session.threads)
+    b.session.prefill(list(range(101, 400)), 0, hin=h[:299])
+    res = {"step": [], "mtp": []}
+    for _ in range(max(rounds, 5)):
+        for arm in res:
+            t0 = time.perf_counter()
+            for _ in range(4):
+                if arm == "step":
+                    m.verify([5], 300)
+                else:
+                    b.session.step_many([5], [299], [0], hin=np.ascontiguousarray(h[299:300]))
+            res[arm].append((time.perf_counter() - t0) / 4)
+    x = statistics.median(res["mtp"]) / statistics.median(res["step"])
+    for arm, v in res.items():
+        print(f"{arm:5} {statistics.median(v) * 1e3:6.1f} ms ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f})")
+    print(f"an MTP draft step costs {x:.2f} of a decode step (the drafter prices it at {b.step_bytes / _bytes(m):.2f} "
+          "from the bytes)")
+    return {arm: med(v) for arm, v in res.items()}
+
+
+def _bytes(m):
+    from sparkq.runtime.speculate import step_bytes
+    return step_bytes(m)
+
+
 class Scripted:
     """a drafter that knows the answer: right (``every`` 0), wrong (1), or wrong every ``every``-th position"""
 
@@ -211,6 +246,8 @@ def oracle(path, rounds, tokens, threads):
     ref = list(m.stream_ids(ids, tokens, stop_ids=()))
     arms = {"plain": None, "right": Scripted(ids + ref, 0, m.spec.vocab), "3 of 4": Scripted(ids + ref, 4, m.spec.vocab),
             "wrong": Scripted(ids + ref, 1, m.spec.vocab)}
+    if m.spec.mtp_layers:  # the artifact's own block (random weights: wrong), with its catch-up and probes
+        arms["mtp"] = m.drafter("mtp")
     res = {a: [] for a in arms}
     for _ in range(rounds):
         for a, d in arms.items():
@@ -237,7 +274,11 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--row-cost", action="store_true", help="only the checking pass's cost per row")
     ap.add_argument("--oracle", action="store_true", help="only scripted drafters (right / 3 of 4 / wrong)")
+    ap.add_argument("--mtp-cost", action="store_true", help="only an MTP block's draft step against a decode step")
     a = ap.parse_args()
+    if a.mtp_cost:
+        mtp_cost(a.art, a.threads, a.rounds)
+        return
     if a.row_cost:
         row_cost(a.art, a.threads, a.rounds)
         return

@@ -14,7 +14,7 @@ from sparkq.formats.mixers import MIXERS as FORMAT_MIXERS
 
 from .builds import KernelUnavailable
 
-ABI = 15
+ABI = 16
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -36,7 +36,7 @@ class SqModel(ctypes.Structure):
         (n, _D) for n in ("eps", "attn_scale", "embed_mult", "res_mult")] + [("gate_width", _I)] + [
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)] + [
         (n, _I) for n in ("lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim", "conv_k")] + [
-        (n, _D) for n in ("beta_scale", "gnorm_eps")]
+        (n, _D) for n in ("beta_scale", "gnorm_eps")] + [("fc", SqLinear), ("fc_enorm", _P), ("fc_hnorm", _P)]
 
 
 # sq_layer.mixer codes by mixer name (formats/mixers.py MIXERS; csrc/sq_abi.h MIXER_*), checked
@@ -70,6 +70,8 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_batch_new": (_P, [_PTR(SqModel), _I]),
     "sq_batch_free": (None, [_P]),
     "sq_step_many": (ctypes.c_int, [_PTR(SqModel), _P, _P, _I, _P, _P, _P, _P]),
+    "sq_step_many_in": (ctypes.c_int, [_PTR(SqModel), _P, _P, _I, _P, _P, _P, _P, _P]),
+    "sq_prefill_in_at": (ctypes.c_int, [_PTR(SqModel), _I, _P, _P, _I, _I, _I, _P, _I]),
     "sq_head_many": (ctypes.c_int, [_PTR(SqModel), _P, _I, _P, _P]),
     "sq_batch_xn": (ctypes.c_int, [_PTR(SqModel), _P, _I, _P]),
     "sq_batch_keep": (ctypes.c_int, [_P, _P, _P]),

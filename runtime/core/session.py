@@ -21,6 +21,7 @@ from ..common import REFINE_SPLIT, REFINE_TOP, check_ids
 from ..errors import RuntimeUserError
 from . import abi
 from .lib import kind_code
+from .rewind import Rewind, _runs
 from .threads import OVERSUB_PARAMS, Governor
 
 # the fewest sequences whose batched step takes the AMX int8 tile products when a server asks for
@@ -88,7 +89,7 @@ def linear_struct(lib, lin: CLinear) -> abi.SqLinear:
                         ptr(lin.res), ptr(lin.rsc), ptr(lin.lut), ptr(lin.rmap))
 
 
-class Session:
+class Session(Rewind):
     """The C core over one model's buffers.
 
     linears: name -> CLinear (formats names: layers.L.qkv ..., lm_head, embed if untied);
@@ -103,7 +104,7 @@ class Session:
 
     def __init__(self, lib, spec, linears: dict, vectors: dict, ropes: list, kcache, vcache, cap: int, *,
                  threads: int, attn_scale: float, embed_mult: float = 0.0, kscale=None, vscale=None,
-                 pinned: bool = False, states=None):
+                 pinned: bool = False, states=None, fc=None):
         self.lib, self.spec, self.cap, self.threads = lib, spec, cap, int(threads)
         # each call's thread count: `threads` while the cores are ours, fewer while another program
         # takes some (runtime/core/threads.py); `pinned` (--threads N): always `threads`
@@ -161,6 +162,11 @@ class Session:
         m.layer = ctypes.cast(layers, ctypes.POINTER(abi.SqLayer))
         m.head, m.embed = linear_struct(lib, head), linear_struct(lib, linears.get(C.ROLE_EMBED, head))
         m.final_norm = ptr(vectors["norm.weight"])
+        if fc is not None:  # a multi-token-prediction block: (its fc CLinear, enorm, hnorm) (runtime/mtp.py)
+            m.fc, m.fc_enorm, m.fc_hnorm = linear_struct(lib, fc[0]), ptr(fc[1]), ptr(fc[2])
+        # tap(kvoff, pos0, rows): the final-normed hidden states [T, hidden] of every prompt and step_many row
+        # (a multi-token-prediction drafter reads them; runtime/mtp.py), or None
+        self.tap = None
         self.vocab, self.embed_rows = head.n, m.embed.n
         lib.sq_set_threads(self.threads)
         self.batch, self.batch_rows = None, 0  # step_many's workspace (reserve_batch)
@@ -207,26 +213,35 @@ class Session:
         self.lib.sq_step(ctypes.byref(self.m), self.work, int(token), int(pos), self.x.ctypes.data, ptr(out))
         return self._softcap(out)
 
-    def prefill(self, ids, pos0: int = 0, last_only: bool = True, kvoff: int = 0, chunk: int | None = None) -> np.ndarray:
+    def prefill(self, ids, pos0: int = 0, last_only: bool = True, kvoff: int = 0, chunk: int | None = None,
+                hin=None) -> np.ndarray:
         """Final-normed hidden states fp32 [T, hidden] (or [1, hidden] of the last) of prompt
         tokens at pos0.., every token's K/V cached (kvoff: the element offset of a KV slot in every
-        layer's cache, serving.py; chunk: tokens per sq_prefill chunk)."""
+        layer's cache, serving.py; chunk: tokens per sq_prefill chunk; hin [T, hidden]: an MTP block's
+        hidden-state inputs)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise RuntimeUserError("empty prompt: give at least one token of text")
         check_ids((int(ids.min()), int(ids.max())), self.embed_rows)
-        out = np.empty((1 if last_only else ids.size, self.spec.hidden), np.float32)
+        every = not last_only or self.tap is not None
+        out = np.empty((ids.size if every else 1, self.spec.hidden), np.float32)
         chunk = int(chunk or self.prefill_chunk)
         if pos0 + ids.size > self.cap or pos0 < 0:
             raise RuntimeUserError(f"positions {pos0}..{pos0 + ids.size - 1} are beyond the KV cache ({self.cap} tokens)")
         self.lib.sq_set_threads(self.gov.prompt_threads())
-        args = (ids.ctypes.data, ids.size, int(pos0), chunk, out.ctypes.data, int(not last_only))
-        rc = (self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), *args) if kvoff
-              else self.lib.sq_prefill(ctypes.byref(self.m), *args))
+        args = (ids.ctypes.data, ids.size, int(pos0), chunk, out.ctypes.data, int(every))
+        if hin is not None:
+            hin = np.ascontiguousarray(hin, dtype=np.float32).reshape(ids.size, self.spec.hidden)
+            rc = self.lib.sq_prefill_in_at(ctypes.byref(self.m), int(kvoff), ids.ctypes.data, hin.ctypes.data, *args[1:])
+        else:
+            rc = (self.lib.sq_prefill_at(ctypes.byref(self.m), int(kvoff), *args) if kvoff
+                  else self.lib.sq_prefill(ctypes.byref(self.m), *args))
         self.gov.after_prompt()
         if rc:
             raise MemoryError("sq_prefill could not allocate its activation buffers")
-        return out
+        if self.tap is not None:
+            self.tap(int(kvoff), int(pos0), out)
+        return out[-1:] if last_only else out
 
     def head(self, xn, out: np.ndarray | None = None) -> np.ndarray:
         """Logits fp32 [vocab] of one final-normed hidden state (the tail of sq_step)."""
@@ -262,12 +277,13 @@ class Session:
                                    "this process runs another build: drop the option or set SPARKQ_KERNEL=amx")
         self.tiles = (int(min_m), hw)
 
-    def step_many(self, tokens, positions, kvoffs, rewind: bool = False) -> np.ndarray:
+    def step_many(self, tokens, positions, kvoffs, rewind: bool = False, hin=None) -> np.ndarray:
         """Decode tokens (token, position, KV slot offset each) through every layer and the head,
         each weight read once: logits fp32 [M, vocab], each row the bits ``step`` gives that token
         in its sequence alone. A sequence may have several rows, adjacent and at consecutive
         positions (a run: its drafted tokens, runtime/speculate.py). ``rewind``: a hybrid model's
-        runs can then be cut back to their first rows (``rewind``, before the next call)."""
+        runs can then be cut back to their first rows (``rewind``, before the next call). ``hin``
+        [M, hidden]: an MTP block's hidden-state inputs."""
         tok = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
         pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
         off = np.ascontiguousarray(kvoffs, dtype=np.int64).reshape(-1)
@@ -281,62 +297,22 @@ class Session:
         if self.lib.sq_batch_tiles(*self.tiles):
             raise RuntimeUserError("tile products need AMX tiles: this process runs another build")
         self._hold(tok.size, pos, off, rewind)
-        rc = self.lib.sq_step_many(ctypes.byref(self.m), self.work, self.batch, tok.size, tok.ctypes.data,
-                                   pos.ctypes.data, off.ctypes.data, out.ctypes.data)
+        args = (ctypes.byref(self.m), self.work, self.batch, tok.size, tok.ctypes.data, pos.ctypes.data, off.ctypes.data)
+        if hin is not None:
+            hin = np.ascontiguousarray(hin, dtype=np.float32).reshape(tok.size, self.spec.hidden)
+            rc = self.lib.sq_step_many_in(*args, hin.ctypes.data, out.ctypes.data)
+        else:
+            rc = self.lib.sq_step_many(*args, out.ctypes.data)
         if rc == -2:
             raise RuntimeUserError(f"a position of {pos.tolist()} is beyond the KV cache ({self.cap} tokens)")
         if rc == -4:
             raise ValueError("step_many: a sequence's rows must be adjacent, at consecutive positions")
         if rc:
             raise MemoryError("sq_step_many could not allocate its activation buffers")
+        if self.tap is not None:
+            for a, b in zip(*_runs(pos, off)):
+                self.tap(int(off[a]), int(pos[a]), np.stack([self.batch_xn(t) for t in range(a, b)]))
         return self._softcap(out)
-
-    def _hold(self, M: int, pos: np.ndarray, off: np.ndarray, rewind: bool) -> None:
-        """(step_many) for a rewind: each run's slot states copied, the GDN layers' inputs kept"""
-        self._pending = {}
-        runs = [(a, b - a) for a, b in zip(*_runs(pos, off)) if b - a > 1] if rewind and self.gdn_layers else []
-        if not runs:
-            self.lib.sq_batch_keep(self.batch, None, None)
-            return
-        g, n = self.spec.gdn, len(self.gdn_layers)
-        kq = np.empty((n, M, 2 * g.k_heads * g.k_dim + g.v_heads * g.v_dim), np.float32)
-        kz = np.empty((n, M, g.v_heads * (g.v_dim + 2)), np.float32)
-        for a, T in runs:
-            slot = int(off[a]) // self._slot_elems()
-            saved = self._copies.get(slot)  # one buffer set per slot, reused (a Qwen3.5-0.8B slot's is 19 MiB)
-            if saved is None:
-                saved = self._copies[slot] = [tuple(np.empty_like(x[slot]) for x in st) for st in self._states]
-            for st, cp in zip(self._states, saved):
-                for x, c in zip(st, cp):
-                    np.copyto(c, x[slot])
-            self._pending[int(off[a])] = (a, T, saved, kq, kz)
-        self.lib.sq_batch_keep(self.batch, kq.ctypes.data, kz.ctypes.data)
-
-    def _slot_elems(self) -> int:
-        return self.spec.kv_heads * self.cap * self.spec.head_dim
-
-    def rewind(self, kvoff: int, n: int) -> None:
-        """Keep the first n >= 1 rows of the last step_many's run in slot kvoff (taken with
-        ``rewind=True``): a hybrid model's states become those after row n - 1 (the copy from
-        before the run, then the DeltaNet over the kept rows' inputs: the bits of n single steps).
-        An attention layer needs nothing: positions past the kept rows are written again before
-        they are read."""
-        if kvoff not in self._pending:
-            return
-        a, T, saved, kq, kz = self._pending.pop(kvoff)
-        if not 1 <= n <= T:
-            raise ValueError(f"rewind: keep 1..{T} rows, got {n}")
-        if n == T:
-            return
-        slot = kvoff // self._slot_elems()
-        out = np.empty((n, self.spec.gdn.v_heads * self.spec.gdn.v_dim), np.float32)
-        for j, (li, st, copy) in enumerate(zip(self.gdn_layers, self._states, saved)):
-            for x, c in zip(st, copy):
-                x[slot] = c
-            q, z = np.ascontiguousarray(kq[j, a:a + n]), np.ascontiguousarray(kz[j, a:a + n])
-            if self.lib.sq_gdn_mix(ctypes.byref(self.m), ctypes.byref(self.layers[li]), int(kvoff), q.ctypes.data,
-                                   z.ctypes.data, n, out.ctypes.data):
-                raise MemoryError("sq_gdn_mix: out of memory")
 
     def head_many(self, xn) -> np.ndarray:
         """Logits fp32 [M, vocab] of final-normed hidden states [M, hidden], each row the same
@@ -368,7 +344,7 @@ class Session:
     def prompt(self, ids, pos0: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Logits of the last of ``ids`` (at pos0..), every token's K/V cached."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size == 1:
+        if ids.size == 1 and self.tap is None:
             return self.step(int(ids[0]), pos0, out)
         return self.head(self.prefill(ids, pos0, True), out)
 
@@ -376,14 +352,6 @@ class Session:
 def _np(buf) -> np.ndarray:
     """a numpy view of a numpy array or a CPU torch tensor (the same memory)"""
     return buf.numpy() if hasattr(buf, "numpy") and not isinstance(buf, np.ndarray) else buf
-
-
-def _runs(pos: np.ndarray, off: np.ndarray) -> tuple[list[int], list[int]]:
-    """the runs of step_many's rows (adjacent rows of one slot at consecutive positions): starts, ends"""
-    new = np.ones(pos.size, bool)
-    new[1:] = (off[1:] != off[:-1]) | (pos[1:] != pos[:-1] + 1)
-    starts = np.flatnonzero(new).tolist()
-    return starts, starts[1:] + [pos.size]
 
 
 def attn_scale(spec) -> float:

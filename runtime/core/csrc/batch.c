@@ -5,7 +5,9 @@
  * s * kv_heads * cap * head_dim (an int8 cache's scales [slots, kv_heads, cap] at kvoff / head_dim; a GDN
  * layer's states: slot s of its conv_state and rec_state, layer_slot). The products are the decode products for M tokens
  * (gemv_dispatch.c products_many), each token's result the single-token product's bit for bit, so
- * a sequence decodes to the same bits alone, beside others, or through sq_step (batch invariance). */
+ * a sequence decodes to the same bits alone, beside others, or through sq_step (batch invariance).
+ * A multi-token-prediction block (sq_model.fc) steps and prefills through the same code from hidden
+ * states (sq_step_many_in, sq_prefill_in_at). */
 
 /* M activation vectors for the products (sq_act_alloc each); NULL when out of memory */
 static sq_act *acts_new(int64_t M, int64_t maxk) {
@@ -104,9 +106,10 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
  * attention over each sequence's own slot; batch: an sq_batch_new workspace of >= M rows. Returns
  * 0, -1 out of memory (the tile products' activations), -2 a position beyond the cache, -3 no
  * workspace for M rows, -4 one slot's rows not one run. */
-int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const int64_t *tok, const int64_t *pos,
-                 const int64_t *kvoff, float *logits) {
+static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, const int64_t *tok, const int64_t *pos,
+                     const int64_t *kvoff, const float *hin, float *logits) {
     sq_work *w = work;
+    if (!m->fc.q != !hin) return -5;
     sq_batch *b = batch;
     for (int64_t t = 0; t < M; t++)
         if (pos[t] < 0 || pos[t] >= m->cap) return -2;
@@ -146,7 +149,13 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
                 embed_row(&m->embed, tok[t], x + t * E);
                 if (m->embed_mult != 0.0)
                     for (int64_t i = 0; i < E; i++) x[t * E + i] = bf(to_bf(x[t * E + i] * (float)m->embed_mult));
+                if (hin) { /* an MTP block's input: fc over [its normed embedding | its normed hidden state] */
+                    rms_norm(x + t * E, m->fc_enorm, E, m->eps, off, xn + t * maxk);
+                    rms_norm(hin + t * E, m->fc_hnorm, E, m->eps, off, xn + t * maxk + E);
+                    prep(&m->fc, xn + t * maxk, &a[t]);
+                }
             }
+            if (hin) products_many(&m->fc, a, M, x, E);
             int64_t gi = 0; /* GDN layers so far (each thread's own count) */
             for (int64_t li = 0; li < m->layers; li++) {
                 const sq_layer *L = &m->layer[li];
@@ -263,6 +272,19 @@ int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const in
     return 0;
 }
 
+int sq_step_many(const sq_model *m, void *work, void *batch, int64_t M, const int64_t *tok, const int64_t *pos,
+                 const int64_t *kvoff, float *logits) {
+    return step_rows(m, work, batch, M, tok, pos, kvoff, NULL, logits);
+}
+
+/* sq_step_many of a multi-token-prediction block (m->fc set): row t's input is fc over its token's
+ * normed embedding and hin + t * hidden (the model's final-normed hidden state at the position before,
+ * or the block's own for a chained draft), not the embedding alone. -5: fc and hin not both given. */
+int sq_step_many_in(const sq_model *m, void *work, void *batch, int64_t M, const int64_t *tok, const int64_t *pos,
+                    const int64_t *kvoff, const float *hin, float *logits) {
+    return step_rows(m, work, batch, M, tok, pos, kvoff, hin, logits);
+}
+
 /* The next sq_step_many copies each GDN layer's inputs before its conv: the qkv products to
  * qkv + (g * M + t) * C and the gate's z | b | a to zba + (g * M + t) * (Vd + 2 Hv), for the g-th GDN
  * layer and row t < M, so a caller can rewind a slot's states to an earlier row of its run (restore
@@ -290,12 +312,18 @@ int sq_head_many(const sq_model *m, void *work, int64_t M, const float *xn, floa
 /* sq_prefill into the KV slot at element offset kvoff of every layer's cache */
 int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk,
                   float *out, int64_t all) {
+    return sq_prefill_in_at(m, kvoff, tokens, NULL, T, pos0, chunk, out, all);
+}
+
+/* sq_prefill_at of a multi-token-prediction block (m->fc set; hin [T, hidden]: sq_step_many_in's) */
+int sq_prefill_in_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
+                     int64_t chunk, float *out, int64_t all) {
     sq_model at = *m;
     sq_layer *ls = malloc(sizeof(sq_layer) * (m->layers > 0 ? m->layers : 1));
     if (!ls) return -1;
     for (int64_t li = 0; li < m->layers; li++) ls[li] = layer_slot(m, &m->layer[li], kvoff);
     at.layer = ls;
-    const int rc = sq_prefill(&at, tokens, T, pos0, chunk, out, all);
+    const int rc = prefill_rows(&at, tokens, hin, T, pos0, chunk, out, all);
     free(ls);
     return rc;
 }

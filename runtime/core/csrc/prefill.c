@@ -33,13 +33,15 @@ static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y, 
 /* Tokens [pos0, pos0 + T) of a prompt through every layer, `chunk` tokens at a time (their
  * K/V go to the cache). out: the final-normed hidden state (fp32 [E]) of every token
  * (all != 0, out [T, E]) or of the last one. Returns 0, -1 out of memory, -2 beyond the cache (or GDN
- * layers of a shape they cannot run, gdn.c). */
-int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk, float *out,
-               int64_t all) {
+ * layers of a shape they cannot run, gdn.c), -5 an MTP block without hidden states (prefill_rows: with
+ * hin [T, E], sq_prefill_in_at). */
+static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
+                        int64_t chunk, float *out, int64_t all) {
+    if (!m->fc.q != !hin) return -5; /* an MTP block (fc) reads hidden states, a model none */
     if (T <= 0 || pos0 < 0 || pos0 + T > m->cap || !gdn_model_ok(m)) return -2;
     if (chunk <= 0 || chunk > T) chunk = T;
     const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), wide = imax2(2 * I, mix_qkv(m));
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), wide = imax2(imax2(2 * I, mix_qkv(m)), 2 * E);
     const int off = (int)m->norm_offset;
     int nthr = 1;
 #ifdef _OPENMP
@@ -66,7 +68,12 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
             embed_row(&m->embed, tokens[c0 + t], x + t * E);
             if (m->embed_mult != 0.0)
                 for (int64_t i = 0; i < E; i++) x[t * E + i] = bf(to_bf(x[t * E + i] * (float)m->embed_mult));
+            if (hin) { /* an MTP block's input rows [normed embedding | normed hidden state], then fc */
+                rms_norm(x + t * E, m->fc_enorm, E, m->eps, off, big + t * 2 * E);
+                rms_norm(hin + (c0 + t) * E, m->fc_hnorm, E, m->eps, off, big + t * 2 * E + E);
+            }
         }
+        if (hin && (rc = linear_many(&m->fc, big, n, x, xt))) break;
         for (int64_t li = 0; li < m->layers && !rc; li++) {
             const sq_layer *L = &m->layer[li];
 #pragma omp parallel for schedule(static)
@@ -107,4 +114,9 @@ int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0
     }
     free(x); free(xn); free(big); free(att); free(gv); free(scr); free(kf); free(vf); free(xt);
     return rc;
+}
+
+int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk, float *out,
+               int64_t all) {
+    return prefill_rows(m, tokens, NULL, T, pos0, chunk, out, all);
 }

@@ -5,7 +5,7 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 15
+#define SQ_ABI 16
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
@@ -59,7 +59,9 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
  * layers, head, embedding (the head's linear when tied), final norm; the Gated DeltaNet layers'
  * shape (all 0 without such layers): lin_k_heads Hk, lin_v_heads Hv (a multiple of Hk: value head
  * h reads key head h / (Hv / Hk)), lin_k_dim dk, lin_v_dim dv, conv_k K (the conv's kernel, <= 16),
- * beta_scale (1, or 2: OLMo Hybrid's allow_neg_eigval), gnorm_eps (the gated RMSNorm's). */
+ * beta_scale (1, or 2: OLMo Hybrid's allow_neg_eigval), gnorm_eps (the gated RMSNorm's); a multi-token-
+ * prediction block's input (fc.q NULL: none): fc [hidden, 2 hidden] over [norm(embed(token), fc_enorm) |
+ * norm(hidden state, fc_hnorm)] replaces the embedding row (sq_step_many_in, sq_prefill_in_at). */
 #define SQ_MODEL_FIELDS(F)                                                                        \
     F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
     F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
@@ -67,7 +69,8 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
     F(double, embed_mult) F(double, res_mult) F(int64_t, gate_width)                                                \
     F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)            \
     F(int64_t, lin_k_heads) F(int64_t, lin_v_heads) F(int64_t, lin_k_dim) F(int64_t, lin_v_dim)   \
-    F(int64_t, conv_k) F(double, beta_scale) F(double, gnorm_eps)
+    F(int64_t, conv_k) F(double, beta_scale) F(double, gnorm_eps) F(sq_linear, fc) F(const uint16_t *, fc_enorm)  \
+    F(const uint16_t *, fc_hnorm)
 
 #define SQ_FIELD_DECL(type, name) type name;
 typedef struct { SQ_LINEAR_FIELDS(SQ_FIELD_DECL) } sq_linear;

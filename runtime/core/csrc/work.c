@@ -27,7 +27,9 @@ static inline int64_t mix_att(const sq_model *m) { return imax2(m->heads * m->he
 static inline int64_t mix_gate(const sq_model *m) {
     return imax2(m->heads * (m->gate_width > 0 ? m->gate_width : 1), gdn_nz(m));
 }
-static inline int64_t mix_maxk(const sq_model *m) { return imax2(max3(m->hidden, m->inter, m->heads * m->head_dim), gdn_vd(m)); }
+static inline int64_t mix_maxk(const sq_model *m) {
+    return imax2(imax2(max3(m->hidden, m->inter, m->heads * m->head_dim), gdn_vd(m)), m->fc.q ? m->fc.k : 0);
+}
 
 static int gdn_model_ok(const sq_model *m); /* gdn.c */
 
