@@ -86,7 +86,7 @@ def import_gguf(gguf_file: str, out_dir: str, force: bool = typer.Option(False, 
 def synth(
     out_dir: str,
     shape: str = typer.Option("qwen3-1.7b", "--shape", help="qwen3-1.7b | spark-x2.5-1.7b | qwen3.5-0.8b | "
-                              "qwen3.5-2b | smollm2-135m"),
+                              "qwen3.5-2b | gemma4-e2b | gemma4-e4b | smollm2-135m"),
     seed: int = typer.Option(0, "--seed"),
     force: bool = typer.Option(False, "--force"),
     as_json: bool = typer.Option(False, "--json"),

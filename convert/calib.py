@@ -39,6 +39,15 @@ SEQ_LEN = 512
 BUNDLED = Path(__file__).parent / "data" / "calibration.txt"
 
 
+def uncalibrated(config: dict) -> str | None:
+    """What in a config the calibration forward does not run (None: it runs the model): Gemma 4's
+    per-layer inputs and shared KV caches."""
+    c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if c.get("hidden_size_per_layer_input") or c.get("num_kv_shared_layers"):
+        return "per-layer inputs or shared KV caches (Gemma 4)"
+    return None
+
+
 def has_tokenizer(source) -> bool:
     """Whether the source ships a tokenizer.json (checked without parsing it)."""
     return "tokenizer.json" in source.extra_files or (

@@ -76,6 +76,8 @@ class KeyScaling:
     def unsupported(spec) -> str | None:
         if any(m != C.MIXER_ATTENTION for m in spec.mixers):
             return "layers other than attention (a hybrid model): not measured yet"
+        if spec.ple_dim or spec.kv_from or spec.head_dims:
+            return "per-layer inputs, shared KV caches or per-layer head dims (Gemma 4): not measured yet"
         if spec.qk_norm and spec.norm_offset:
             return "q/k norms with a (1 + w) offset: a power of two is not exact there"
         if spec.qk_norm and spec.qk_norm_full:

@@ -85,8 +85,11 @@ def resolve_budget(opts: Options) -> Options:
 def resolve_method(opts: Options, source) -> Options:
     """auto: gptq (calibrated on --calib or the bundled text) when the source's tokenizer can
     read calibration text, else the calibration-free clip search."""
-    if opts.method != "auto":
-        return opts
-    from .calib import has_tokenizer
+    from .calib import has_tokenizer, uncalibrated
 
-    return replace(opts, method="gptq" if opts.calib or has_tokenizer(source) else "clip")
+    why = uncalibrated(source.config)
+    if opts.method != "auto":
+        if why and opts.method in ("gptq",):
+            raise ConvertError(f"--method {opts.method}: the calibration forward does not run {why} yet; use --method clip")
+        return opts
+    return replace(opts, method="gptq" if (opts.calib or has_tokenizer(source)) and not why else "clip")

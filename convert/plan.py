@@ -104,6 +104,8 @@ def file_order(linears: list[LinearEntry], vectors: dict, spec: ModelSpec):
         order += layer_vectors + [f"layers.{i}.{role}" for role in spec.roles(i)]
     if spec.mtp_layers:
         order += [n for n in vectors if n.startswith("mtp.")] + [n for n in spec.linear_shapes() if n.startswith("mtp.")]
+    if spec.ple_dim:
+        order += [C.PLE_IN_NORM, C.ROLE_PLE_MODEL, C.ROLE_PLE_EMBED]
     order += ["norm.weight"] + ([C.ROLE_EMBED] if not spec.tied else []) + [C.ROLE_LM_HEAD]
     entries = []
     for item in order:

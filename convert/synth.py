@@ -65,6 +65,25 @@ SHAPES = {
 
 
 SHAPES["qwen3.5-2b"] = {**SHAPES["qwen3.5-0.8b"], "hidden_size": 2048, "intermediate_size": 6144}
+# Gemma 4 E2B (google/gemma-4-E2B's text_config): 35 layers (4 sliding of head dim 256, then a full
+# one of 512), one KV head, the last 20 layers reading layers 13 / 14's KV caches with MLPs twice as
+# wide, per-layer inputs of 256 from a 262144-row table; E4B: 42 layers (5 sliding, 1 full), 2 KV
+# heads, the last 18 sharing, no double-wide MLP
+SHAPES["gemma4-e2b"] = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 1536,
+    "intermediate_size": 6144, "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1,
+    "head_dim": 256, "global_head_dim": 512, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "vocab_size": 262144,
+    "sliding_window": 512, "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh", "torch_dtype": "bfloat16",
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}},
+}
+SHAPES["gemma4-e4b"] = {**SHAPES["gemma4-e2b"], "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 42,
+                        "num_key_value_heads": 2, "num_kv_shared_layers": 18, "use_double_wide_mlp": False,
+                        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7}
 
 # shape -> the chat template (convert/data/) its checkpoint carries
 TEMPLATES = {"spark-x2.5-1.7b": "spark2_5_chat_template.jinja"}

@@ -97,7 +97,11 @@ ROLE_LM_HEAD, ROLE_EMBED = "lm_head", "embed"
 ROLE_GATE = "gate"  # the attention output gate's linear (ModelSpec.attn_gate), only where the family has one
 LAYER_LINEARS = (ROLE_QKV, ROLE_O, ROLE_GATE_UP, ROLE_DOWN)  # every layer's
 HEAD_ROLES = (ROLE_LM_HEAD, ROLE_EMBED)  # the (tied) embedding/head
-ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES
+# the per-layer input embedding (Gemma 4): the table (a row of layers * width per token), the main
+# embedding's projection to it and its norm; per layer its gate, projection and post norm; the layer's scalar
+ROLE_PLE_EMBED, ROLE_PLE_MODEL, PLE_IN_NORM = "ple_embed", "ple_model", "ple_in_norm.weight"
+ROLE_PLE_GATE, ROLE_PLE_PROJ, PLE_NORM, LAYER_SCALAR = "ple_gate", "ple_proj", "ple_norm", "layer_scalar"
+ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES + (ROLE_PLE_EMBED, ROLE_PLE_MODEL, ROLE_PLE_GATE, ROLE_PLE_PROJ)
 LAYER_NORMS = ("attn_norm", "mlp_norm")
 # the multi-token-prediction block (see above): its input projection and norms, its layers' prefix
 MTP_FC, MTP_NORM, MTP_ENORM, MTP_HNORM = "mtp.fc", "mtp.norm.weight", "mtp.enorm.weight", "mtp.hnorm.weight"

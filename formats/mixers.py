@@ -81,23 +81,25 @@ class Mixer:
     name: str
     layer_types: tuple[str, ...]  # config layer_types values that select it
     code: int                     # sq_layer.mixer (csrc/sq_abi.h)
-    # (spec) -> {role: (N, K)}: the mixer's linears, in the order a layer runs them
-    linears: Callable[["ModelSpec"], dict[str, tuple[int, int]]]
-    norms: Callable[["ModelSpec"], tuple[str, ...]]  # bf16 norm vectors (layers.L.<name>.weight)
+    # (spec, layer or None) -> {role: (N, K)}: the mixer's linears, in the order a layer runs them
+    linears: Callable[["ModelSpec", "int | None"], dict[str, tuple[int, int]]]
+    norms: Callable[["ModelSpec", "int | None"], tuple[str, ...]]  # bf16 norm vectors (layers.L.<name>.weight)
     params: Callable[["ModelSpec"], dict[str, tuple[int, ...]]]  # fp32 parameters (layers.L.<name>)
     # (spec) -> {state: shape}: fp32 per sequence, updated in place by every token (attention's
     # state is its KV cache, allocated by the runtimes by position: none here)
     state: Callable[["ModelSpec"], dict[str, tuple[int, ...]]]
 
 
-def _attn_linears(s: "ModelSpec") -> dict:
+def _attn_linears(s: "ModelSpec", i: int | None) -> dict:
+    """(layer i: its head dim; a KV-sharing layer's qkv is its q rows alone)"""
     out = {C.ROLE_GATE: (s.heads * s.attn_gate, s.hidden)} if s.attn_gate else {}
-    out[C.ROLE_QKV] = (s.q_dim + 2 * s.kv_dim, s.hidden)
-    out[C.ROLE_O] = (s.hidden, s.q_dim)
+    d = s.hd(i)
+    out[C.ROLE_QKV] = (s.heads * d + (2 * s.kv_heads * d if s.owns_kv(i) else 0), s.hidden)
+    out[C.ROLE_O] = (s.hidden, s.heads * d)
     return out
 
 
-def _gdn_linears(s: "ModelSpec") -> dict:
+def _gdn_linears(s: "ModelSpec", i: int | None = None) -> dict:
     g = s.gdn
     # gate: z (the output norm's gate, value_dim rows) | b (beta, v_heads) | a (the decay's input, v_heads)
     return {C.ROLE_GATE: (g.value_dim + 2 * g.v_heads, s.hidden), C.ROLE_QKV: (g.conv_dim, s.hidden),
@@ -117,9 +119,9 @@ def _gdn_state(s: "ModelSpec") -> dict:
 
 MIXERS: dict[str, Mixer] = {
     C.MIXER_ATTENTION: Mixer(C.MIXER_ATTENTION, ("full_attention", "sliding_attention"), 0, _attn_linears,
-                             lambda s: s.layer_norms, lambda s: {}, lambda s: {}),
+                             lambda s, i: s.layer_norms(i), lambda s: {}, lambda s: {}),
     C.MIXER_GDN: Mixer(C.MIXER_GDN, ("linear_attention",), 1, _gdn_linears,
-                       lambda s: C.LAYER_NORMS, _gdn_params, _gdn_state),
+                       lambda s, i: C.LAYER_NORMS, _gdn_params, _gdn_state),
 }
 BY_LAYER_TYPE = {t: m for m in MIXERS.values() for t in m.layer_types}
 

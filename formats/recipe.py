@@ -84,7 +84,7 @@ class Recipe:
         out = {C.MTP_FC: [t["fc"]], C.MTP_NORM: [t["norm"]], C.MTP_ENORM: [t["enorm"]], C.MTP_HNORM: [t["hnorm"]]}
         for j in range(spec.mtp_layers):
             pre, art = t["prefix"].format(j=j), C.MTP_LAYER.format(j=j)
-            for role in spec.layer_roles + tuple(f"{n}.weight" for n in spec.mtp_norms):
+            for role in spec.layer_roles + tuple(f"{n}.weight" for n in spec.mtp_norms):  # (an attention layer's)
                 v = self.layer_names[role.removesuffix(".weight")]
                 out[art + role] = [pre + x for x in (v if isinstance(v, list) else [v])]
         return out
@@ -105,7 +105,9 @@ class Recipe:
         for i in range(spec.layers):
             mixer = spec.mixers[i]
             for role in spec.roles(i):
-                out[f"layers.{i}.{role}"] = self.layer_sources(role, i, mixer)
+                srcs = self.layer_sources(role, i, mixer)
+                # a KV-sharing layer's qkv: its q rows alone (a checkpoint's k / v there are unused)
+                out[f"layers.{i}.{role}"] = srcs if role != C.ROLE_QKV or spec.owns_kv(i) else srcs[:1]
             for role in spec.norms(i):
                 out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, i, mixer)
             for name in spec.params(i):
@@ -113,6 +115,9 @@ class Recipe:
             if spec.qkv_bias and mixer == C.MIXER_ATTENTION:
                 out[f"layers.{i}.qkv.bias"] = self.layer_sources("qkv_bias", i)
         out["norm.weight"] = [self.global_names["norm"]]
+        if spec.ple_dim:  # the per-layer input embedding's global tensors ([global] ple_*)
+            for name in (C.ROLE_PLE_EMBED, C.ROLE_PLE_MODEL, C.PLE_IN_NORM):
+                out[name] = [self.global_names[name.removesuffix(".weight")]]
         out.update(self.mtp_sources(spec))
         if spec.tied:
             out[C.ROLE_LM_HEAD] = [self.global_names["embed"]]
@@ -140,6 +145,9 @@ FEATURES = {
     "gdn_norm_eps": 0.0,      # the Gated DeltaNet output norm's eps (0: rms_norm_eps; OLMo Hybrid fixes 1e-5)
     "rope_optional": False,   # rope_theta: null means no RoPE (OLMo Hybrid 7B), not the default theta
     "mtp_layers": 0,          # multi-token-prediction layers the artifact holds (the converter sets it: [mtp])
+    "v_norm": False,          # values RMS-normed per head without a weight (Gemma 4)
+    "layer_scalar": False,    # each layer's output times its stored scalar (Gemma 4: [layer] layer_scalar)
+    "attn_scale": 0.0,        # the attention scores' scale (0: query_pre_attn_scalar's or head_dim^-0.5; Gemma 4: 1)
 }
 ACTS = ("silu", "gelu_tanh", "gelu")
 GATES = ("none", "head", "channel")
@@ -261,6 +269,8 @@ TEXT_MODELS = {
                                         ("model.language_model.", "lm_head."))),
     # (its multi-token-prediction block, mtp.*, keeps its names: recipes/qwen3_5.toml [mtp])
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text", (("model.language_model.", "lm_head."),)),
+    # (Gemma 4 E2B / E4B: its vision and audio towers and their embedders dropped)
+    "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "gemma4_text", (("model.language_model.", "lm_head."),)),
 }
 
 

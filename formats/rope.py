@@ -38,7 +38,10 @@ def rope_inv_freq(spec: ModelSpec, rotary_dim: int, theta: float, layer: int | N
         ext = np.asarray(rs["long_factor" if long else "short_factor"], dtype=np.float32)
         shape = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rotary_dim)
         return (np.float32(1.0) / (ext * np.power(np.float32(theta), shape, dtype=np.float32))).astype(np.float32)
-    if kind == "linear":
+    if kind == "proportional":  # Gemma 4's full layers: the whole head's pairs (i, i + D/2), the first
+        # partial_rotary_factor * D/2 of them at theta^(-2i/D), the rest unrotated (frequency 0)
+        inv[int(float(rs.get("partial_rotary_factor", 1.0)) * rotary_dim // 2):] = 0.0
+    elif kind == "linear":
         inv = inv / float(rs["factor"])
     elif kind == "llama3":
         factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
@@ -156,8 +159,10 @@ def rope_scaling_by_type(cfg: dict) -> dict:
     return {}
 
 
-def rope_by_type(cfg: dict, head_dim: int) -> tuple:
-    """((layer type, theta, rotary dim), ...) from the config's RoPE fields.
+def rope_by_type(cfg: dict, head_dim: int, type_dims: dict | None = None) -> tuple:
+    """((layer type, theta, rotary dim), ...) from the config's RoPE fields (``type_dims``: a layer
+    type's own head dim where it differs; a "proportional" type rotates its whole head, see
+    rope_inv_freq).
 
     Reads transformers-5 style ``rope_parameters`` (flat, or keyed by layer type, each with
     optional ``partial_rotary_factor``), the older ``rope_theta`` / ``rope_local_base_freq``
@@ -169,8 +174,9 @@ def rope_by_type(cfg: dict, head_dim: int) -> tuple:
     if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
         for t, v in rp.items():
             if isinstance(v, dict):
-                f = float(v.get("partial_rotary_factor", top_factor))
-                out[t] = (float(v.get("rope_theta", base)), int(head_dim * f) // 2 * 2)
+                d = (type_dims or {}).get(t, head_dim)
+                f = 1.0 if v.get("rope_type") == "proportional" else float(v.get("partial_rotary_factor", top_factor))
+                out[t] = (float(v.get("rope_theta", base)), int(d * f) // 2 * 2)
     else:
         if isinstance(rp, dict):
             base = float(rp.get("rope_theta", base))

@@ -4,11 +4,13 @@ artifact's tensors per weight kind: kinds.py."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import constants as C
 from .mixers import BY_LAYER_TYPE, MIXERS, GDNShape, gdn_shape
 from .recipe import FEATURES, Recipe, SpecError  # noqa: F401  (SpecError: re-exported)
+from .fields import ACTS, MOE_FIELDS, _check_implemented, _gate_width, _layer_types, _multiplier, _nope_layers  # noqa: F401
+from .geometry import head_dims, kv_sources, mlp_widths, per_layer_input
 from .rope import flat_rope, rope_by_type, rope_scaling_by_type
 
 
@@ -53,6 +55,15 @@ class ModelSpec:
     attn_gate: int = 0
     gdn: GDNShape | None = None  # the Gated DeltaNet layers' geometry (layer type linear_attention)
     mtp_layers: int = 0  # the multi-token-prediction block's attention layers in the artifact (constants.py)
+    # per-layer geometry (formats/geometry.py; empty: the model's everywhere): each layer's head dim, the
+    # layer whose KV cache it reads (a KV-sharing layer has no k / v rows), its MLP width
+    head_dims: tuple[int, ...] = ()
+    kv_from: tuple[int, ...] = ()
+    inters: tuple[int, ...] = ()
+    ple_dim: int = 0  # the per-layer input embedding's width per layer (Gemma 4; 0: none) and table rows
+    ple_vocab: int = 0
+    v_norm: bool = False  # values RMS-normed per head, no weight (Gemma 4)
+    layer_scalar: bool = False  # each layer's output scaled by its stored scalar (Gemma 4)
 
     @property
     def mixers(self) -> tuple[str, ...]:
@@ -63,26 +74,46 @@ class ModelSpec:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers with a KV cache (attention); the runtimes' caches hold these, in order."""
-        return tuple(i for i, m in enumerate(self.mixers) if m == C.MIXER_ATTENTION)
+        """The layers with a KV cache of their own (attention, not sharing another's); the runtimes'
+        caches hold these, in order."""
+        return tuple(i for i, m in enumerate(self.mixers) if m == C.MIXER_ATTENTION and self.owns_kv(i))
+
+    def hd(self, i: int | None) -> int:
+        """layer i's head dim"""
+        return self.head_dims[i] if self.head_dims and i is not None else self.head_dim
+
+    @property
+    def max_head_dim(self) -> int:
+        """the largest head dim (the C core's model head_dim: a KV slot's offset is in its units)"""
+        return max(self.head_dims or (self.head_dim,))
+
+    def owns_kv(self, i: int | None) -> bool:
+        """whether layer i writes K/V of its own (else it reads layer kv_from[i]'s)"""
+        return not self.kv_from or i is None or self.kv_from[i] == i
+
+    def inter(self, i: int | None) -> int:
+        """layer i's MLP width"""
+        return self.inters[i] if self.inters and i is not None else self.intermediate
 
     def roles(self, i: int) -> tuple[str, ...]:
         """Layer i's linears, in the order the layer runs them (a gate reads the mixer's input)."""
-        return tuple(MIXERS[self.mixers[i]].linears(self)) + (C.ROLE_GATE_UP, C.ROLE_DOWN)
+        return tuple(MIXERS[self.mixers[i]].linears(self, i)) + (C.ROLE_GATE_UP, C.ROLE_DOWN) + (
+            (C.ROLE_PLE_GATE, C.ROLE_PLE_PROJ) if self.ple_dim else ())
 
     @property
     def mtp_norms(self) -> tuple[str, ...]:
         """An MTP layer's norm vectors (an attention layer's: mtp.layers.J.<name>.weight)."""
-        return MIXERS[C.MIXER_ATTENTION].norms(self)
+        return MIXERS[C.MIXER_ATTENTION].norms(self, None)
 
     @property
     def layer_roles(self) -> tuple[str, ...]:
         """The linears of an attention layer (every layer's, in a model without other mixers)."""
-        return tuple(MIXERS[C.MIXER_ATTENTION].linears(self)) + (C.ROLE_GATE_UP, C.ROLE_DOWN)
+        return tuple(MIXERS[C.MIXER_ATTENTION].linears(self, None)) + (C.ROLE_GATE_UP, C.ROLE_DOWN)
 
     def norms(self, i: int) -> tuple[str, ...]:
         """Layer i's norm vectors (layers.i.<name>.weight)."""
-        return MIXERS[self.mixers[i]].norms(self)
+        return MIXERS[self.mixers[i]].norms(self, i) + ((C.PLE_NORM,) if self.ple_dim else ()) + (
+            (C.LAYER_SCALAR,) if self.layer_scalar else ())
 
     def has_norm(self, i: int, name: str) -> bool:
         return name in self.norms(i)
@@ -105,9 +136,10 @@ class ModelSpec:
             return float(np.uint32(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).view(np.float32))
         return self.embedding_multiplier
 
-    @property
-    def layer_norms(self) -> tuple[str, ...]:
-        return ((C.LAYER_NORMS if self.pre_norms else ()) + (("q_norm", "k_norm") if self.qk_norm else ())
+    def layer_norms(self, i: int | None = None) -> tuple[str, ...]:
+        """an attention layer's norms (a KV-sharing layer has no k_norm)"""
+        return ((C.LAYER_NORMS if self.pre_norms else ()) + (("q_norm",) if self.qk_norm else ())
+                + (("k_norm",) if self.qk_norm and self.owns_kv(i) else ())
                 + (("post_attn_norm", "post_mlp_norm") if self.sandwich_norms else ()))
 
     def layer_rope_scaling(self, i: int) -> dict | None:
@@ -145,7 +177,8 @@ class ModelSpec:
                     norm_offset: bool = False, sandwich_norms: bool = False, embed_scale: bool = False,
                     act: str = "silu", pre_norms: bool = True, qk_norm_full: bool = False,
                     attn_gate: str = "none", linear_attention: bool = False, gdn_norm_eps: float = 0.0,
-                    rope_optional: bool = False, mtp_layers: int = 0) -> "ModelSpec":
+                    rope_optional: bool = False, mtp_layers: int = 0, v_norm: bool = False,
+                    layer_scalar: bool = False, attn_scale: float = 0.0) -> "ModelSpec":
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
@@ -178,7 +211,8 @@ class ModelSpec:
                 layer_types=_layer_types(cfg),
                 rope_by_type=rope_by_type(cfg, hidden // heads if not cfg.get("head_dim") else int(cfg["head_dim"])),
                 rope_scaling_by_type=rope_scaling_by_type(cfg),
-                attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else
+                attn_scale=float(attn_scale) if attn_scale else
+                float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else
                 float(cfg["attention_multiplier"]) if cfg.get("attention_multiplier") is not None else None,
                 final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
                 pre_norms=pre_norms,
@@ -192,7 +226,18 @@ class ModelSpec:
                 attn_gate=_gate_width(cfg, attn_gate),
                 gdn=gdn_shape(cfg, gdn_norm_eps) if linear_attention else None,
                 mtp_layers=int(mtp_layers),
+                v_norm=v_norm,
+                layer_scalar=layer_scalar,
             )
+            types = spec.layer_types or ("full_attention",) * spec.layers
+            hds = head_dims(cfg, types, spec.head_dim)
+            kvf = kv_sources(cfg, types)
+            ple, ple_vocab = per_layer_input(cfg)
+            if hds or kvf or ple:
+                spec = replace(spec, head_dims=hds, kv_from=kvf, inters=mlp_widths(cfg, kvf, spec.intermediate),
+                               ple_dim=ple, ple_vocab=ple_vocab,
+                               rope_by_type=rope_by_type(cfg, spec.head_dim, {t: hds[types.index(t)] for t in set(types)}
+                                                         if hds else None))
         except KeyError as e:
             raise SpecError(f"config.json lacks {e.args[0]!r}; it is needed to lay out the model") from None
         except (TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -214,7 +259,7 @@ class ModelSpec:
         if "sliding_attention" in spec.layer_types and not spec.sliding_window:
             raise SpecError("config.json: sliding_attention layers need a positive sliding_window")
         for t, theta, rot in spec.rope_by_type:
-            if not (theta > 0 and 0 < rot <= spec.head_dim and rot % 2 == 0):
+            if not (theta > 0 and 0 < rot <= max(spec.head_dims or (spec.head_dim,)) and rot % 2 == 0):
                 raise SpecError(f"config.json: RoPE for {t}: theta {theta} / rotary dim {rot} out of range")
         if isinstance(cfg.get("no_rope_layers"), list) and len(cfg["no_rope_layers"]) != spec.layers:
             raise SpecError(f"config.json: no_rope_layers lists {len(cfg['no_rope_layers'])} layers, the model has {spec.layers}")
@@ -222,7 +267,7 @@ class ModelSpec:
             raise SpecError(f"config.json: {spec.heads} heads is not a multiple of {spec.kv_heads} kv heads")
         for rs in (spec.rope_scaling, *spec.rope_scaling_by_type.values()):
             kind = rs.get("rope_type", rs.get("type")) if rs else None
-            if kind not in (None, "default", "llama3", "linear", "yarn", "longrope"):
+            if kind not in (None, "default", "llama3", "linear", "yarn", "longrope", "proportional"):
                 raise SpecError(f"config.json: RoPE type {kind!r} (rope_parameters / rope_scaling) is not implemented "
                                 "(sparkq runs default, linear, llama3, yarn and longrope)")
             if kind == "longrope":
@@ -244,14 +289,20 @@ class ModelSpec:
         """Artifact linear name -> (N, K)."""
         out = {}
         for i in range(self.layers):
-            for role, shape in MIXERS[self.mixers[i]].linears(self).items():
+            for role, shape in MIXERS[self.mixers[i]].linears(self, i).items():
                 out[f"layers.{i}.{role}"] = shape
-            out[f"layers.{i}.gate_up"] = (2 * self.intermediate, self.hidden)
-            out[f"layers.{i}.down"] = (self.hidden, self.intermediate)
+            out[f"layers.{i}.gate_up"] = (2 * self.inter(i), self.hidden)
+            out[f"layers.{i}.down"] = (self.hidden, self.inter(i))
+            if self.ple_dim:
+                out[f"layers.{i}.{C.ROLE_PLE_GATE}"] = (self.ple_dim, self.hidden)
+                out[f"layers.{i}.{C.ROLE_PLE_PROJ}"] = (self.hidden, self.ple_dim)
+        if self.ple_dim:  # the per-layer input table (a row per token) and the main embedding's projection
+            out[C.ROLE_PLE_EMBED] = (self.ple_vocab, self.layers * self.ple_dim)
+            out[C.ROLE_PLE_MODEL] = (self.layers * self.ple_dim, self.hidden)
         if self.mtp_layers:
             out[C.MTP_FC] = (self.hidden, 2 * self.hidden)
         for j in range(self.mtp_layers):
-            for role, shape in MIXERS[C.MIXER_ATTENTION].linears(self).items():
+            for role, shape in MIXERS[C.MIXER_ATTENTION].linears(self, None).items():
                 out[C.MTP_LAYER.format(j=j) + role] = shape
             out[C.MTP_LAYER.format(j=j) + C.ROLE_GATE_UP] = (2 * self.intermediate, self.hidden)
             out[C.MTP_LAYER.format(j=j) + C.ROLE_DOWN] = (self.hidden, self.intermediate)
@@ -273,114 +324,35 @@ class ModelSpec:
                 return [g.key_dim, g.key_dim, g.value_dim]
             if role == C.ROLE_GATE:
                 return [g.value_dim, g.v_heads, g.v_heads]
+        i = int(name.split(".")[1]) if name.startswith("layers.") else None
         if role == C.ROLE_QKV:
-            return [self.q_dim, self.kv_dim, self.kv_dim]
+            d = self.hd(i)
+            return [self.heads * d] + ([self.kv_heads * d] * 2 if self.owns_kv(i) else [])
         if role == C.ROLE_GATE_UP:
-            return [self.intermediate, self.intermediate]
+            return [self.inter(i), self.inter(i)]
         return [self.linear_shapes()[name][0]]
 
-    def _norm_shape(self, n: str) -> tuple[int]:
+    def _norm_shape(self, n: str, i: int | None = None) -> tuple[int]:
         if n in ("q_norm", "k_norm"):
-            return ((self.q_dim if n == "q_norm" else self.kv_dim),) if self.qk_norm_full else (self.head_dim,)
-        return (self.hidden,)
+            return ((self.q_dim if n == "q_norm" else self.kv_dim),) if self.qk_norm_full else (self.hd(i),)
+        return (1,) if n == C.LAYER_SCALAR else (self.hidden,)
 
     def vector_shapes(self) -> dict[str, tuple[int, ...]]:
         """Artifact norm / bias / mixer parameter tensor name -> shape (bf16, or fp32: vector_dtype)."""
         out = {}
         for i in range(self.layers):
             for n in self.norms(i):
-                out[f"layers.{i}.{n}.weight"] = self._norm_shape(n)
+                out[f"layers.{i}.{n}.weight"] = self._norm_shape(n, i)
             if self.qkv_bias and self.mixers[i] == C.MIXER_ATTENTION:
                 out[f"layers.{i}.qkv.bias"] = (self.q_dim + 2 * self.kv_dim,)
             for n, shape in self.params(i).items():
                 out[f"layers.{i}.{n}"] = shape
         out["norm.weight"] = (self.hidden,)
+        if self.ple_dim:
+            out[C.PLE_IN_NORM] = (self.ple_dim,)
         for j in range(self.mtp_layers):
             for n in self.mtp_norms:
                 out[C.MTP_LAYER.format(j=j) + n + ".weight"] = self._norm_shape(n)
         if self.mtp_layers:
             out.update({n: (self.hidden,) for n in (C.MTP_NORM, C.MTP_ENORM, C.MTP_HNORM)})
         return out
-
-
-ACTS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu",)}
-# the expert count of mixture-of-experts MLPs (each family's name for it): a positive one is refused,
-# sparkq runs dense MLPs (a dense config may still carry num_experts_per_tok and the like: Granite 4.0)
-MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
-def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
-    """Config fields that would change the math in a way sparkq does not implement: refused by name,
-    never converted into a silently different model."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
-    if act is not None and act not in ACTS[spec.act]:
-        field_ = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
-        raise SpecError(f"config.json: {field_}={act!r} is not implemented for {spec.family} "
-                        f"(sparkq runs {' / '.join(ACTS[spec.act])} here)")
-    if cfg.get("mlp_bias"):
-        raise SpecError("config.json: mlp_bias=true (biases on the MLP projections) is not implemented")
-    if cfg.get("attention_bias") and not spec.qkv_bias:
-        raise SpecError("config.json: attention_bias=true (biases on q/k/v/o) is not implemented for "
-                        f"{spec.family}")
-    if cfg.get("attn_logit_softcapping"):
-        raise SpecError("config.json: attn_logit_softcapping (soft-capped attention scores) is not implemented")
-    types = set(cfg.get("layer_types") or cfg.get("layers_block_type") or ())
-    if "mamba" in types:
-        raise SpecError("config.json: layer_types has mamba layers (a hybrid state-space model): not implemented; "
-                        "sparkq runs attention and Gated DeltaNet (linear_attention) layers")
-    if "linear_attention" in types and spec.gdn is None:
-        raise SpecError(f"config.json: layer_types has linear_attention layers, which the {spec.family} recipe does "
-                        "not implement (sparkq runs them as Qwen3.5 / OLMo Hybrid Gated DeltaNet layers)")
-    moe = next((f for f in MOE_FIELDS if cfg.get(f)), None)
-    if moe:
-        raise SpecError(f"config.json: {moe}={cfg[moe]} (mixture-of-experts MLPs) is not implemented; sparkq runs "
-                        "dense MLPs")
-    if cfg.get("use_bidirectional_attention"):
-        raise SpecError("config.json: use_bidirectional_attention=true (an encoder) is not implemented")
-
-
-def _gate_width(cfg: dict, gate: str) -> int:
-    """ModelSpec.attn_gate from the recipe's attn_gate feature and the config (Spark2_5's
-    headwise_attn_output_gate switches its gate off when false)."""
-    if gate == "none" or cfg.get("headwise_attn_output_gate", True) is False:
-        return 0
-    if not isinstance(cfg.get("headwise_attn_output_gate", True), bool):
-        raise SpecError("config.json: headwise_attn_output_gate must be true or false")
-    return 1 if gate == "head" else int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
-
-
-def _layer_types(cfg: dict) -> tuple[str, ...]:
-    """Per-layer attention types; GraniteMoeHybrid's "attention" is full attention (its "mamba"
-    layers are refused by _check_implemented)."""
-    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ()
-    return tuple({"attention": "full_attention"}.get(str(t), str(t)) for t in types)
-
-
-def _multiplier(cfg: dict, key: str) -> float | None:
-    """A positive scalar field of the config (Granite's multipliers), None where absent or 1."""
-    v = cfg.get(key)
-    if v is None:
-        return None
-    v = float(v)
-    if not (v > 0 and v != float("inf")):
-        raise SpecError(f"config.json: {key}={v} must be a positive number")
-    return None if v == 1.0 else v
-
-
-def _nope_layers(cfg: dict, rope_optional: bool = False) -> tuple[int, ...]:
-    """The layers without RoPE: SmolLM3's no_rope_layers (one flag per layer, 0: no RoPE); every
-    layer where the family's RoPE is optional and the config names no theta (OLMo Hybrid 7B's
-    ``rope_theta: null``: transformers builds no rotary embedding)."""
-    if rope_optional and "rope_theta" in cfg and cfg["rope_theta"] is None and not flat_rope(cfg).get("rope_theta"):
-        return tuple(range(int(cfg["num_hidden_layers"])))
-    if "position_embedding_type" in cfg and cfg["position_embedding_type"] != "rope":  # GraniteMoeHybrid: NoPE
-        return tuple(range(int(cfg["num_hidden_layers"])))
-    flags = cfg.get("no_rope_layers")
-    if flags is None and cfg.get("no_rope_layer_interval"):  # transformers' default list from the interval
-        n = int(cfg["no_rope_layer_interval"])
-        flags = [int((i + 1) % n != 0) for i in range(int(cfg["num_hidden_layers"]))]
-    if flags is None:
-        return ()
-    if not isinstance(flags, list) or any(f not in (0, 1) for f in flags):
-        raise SpecError("config.json: no_rope_layers must list 0 or 1 per layer")
-    return tuple(i for i, f in enumerate(flags) if f == 0)

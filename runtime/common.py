@@ -45,11 +45,18 @@ def check_kv_dtype(kv_dtype: str) -> str:
     return kv_dtype
 
 
+def core_lacks(spec: ModelSpec) -> str | None:
+    """What of the model the C core does not run yet (None: all of it)."""
+    if spec.attn_gate and spec.head_dims:
+        return "an attention output gate with per-layer head dims is not in the C core"
+    return None
+
+
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
     """K and V of one position in every layer, as both runtimes allocate them: bf16 rows, or
     int8 rows and one bf16 scale each."""
-    row = spec.head_dim * 2 if check_kv_dtype(kv_dtype) == "bf16" else spec.head_dim + 2
-    return 2 * len(spec.kv_layers) * spec.kv_heads * row
+    bf16 = check_kv_dtype(kv_dtype) == "bf16"
+    return 2 * spec.kv_heads * sum(spec.hd(i) * 2 if bf16 else spec.hd(i) + 2 for i in spec.kv_layers)
 
 
 @dataclass
@@ -77,11 +84,12 @@ def resolve(path_or_repo: str, layouts: list[str] | None = None) -> tuple[Path, 
 
 def by_layer(spec: ModelSpec, caches) -> list | None:
     """Per layer: its slice of a cache array over the attention layers (spec.kv_layers), None for a
-    layer without KV (another mixer); None stays None."""
+    layer without KV (another mixer); a KV-sharing layer: its source layer's; None stays None."""
     if caches is None:
         return None
     index = {layer: j for j, layer in enumerate(spec.kv_layers)}
-    return [caches[index[i]] if i in index else None for i in range(spec.layers)]
+    src = spec.kv_from or range(spec.layers)
+    return [caches[index[src[i]]] if src[i] in index else None for i in range(spec.layers)]
 
 
 def kv_capacity(spec: ModelSpec, max_model_len: int, kv_budget_mib: float, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:

@@ -71,10 +71,7 @@ def make_llama(out: Path, *, hidden=128, inter=256, layers=2, heads=4, kv_heads=
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.3)
-    model.to(dtype).save_pretrained(out, safe_serialization=True)
-    (out / "tokenizer.json").write_text(byte_tokenizer(vocab))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
-    return out
+    return _save(model, out, vocab, dtype)
 
 
 def make_hybrid(out: Path, arch: str = "qwen3_5", *, hidden=128, inter=256, layers=4, vocab=320, tied=False,
@@ -135,6 +132,52 @@ def make_hybrid(out: Path, arch: str = "qwen3_5", *, hidden=128, inter=256, laye
     return out
 
 
+def make_gemma4(out: Path, *, wrapper: bool = False, layers: int = 6, shared: int = 2, vocab: int = 320, seed: int = 0,
+                dtype=torch.bfloat16, **extra) -> Path:
+    """A random Gemma 4 E-style text model saved as an HF checkpoint with a tokenizer: sliding layers of
+    head dim 32 and full layers of 64 (every third), per-layer inputs of 64, the last ``shared`` layers
+    reading earlier layers' KV caches with twice-wide MLPs, a window of 8, final softcap 30
+    (``wrapper``: as Gemma4ForConditionalGeneration with tiny vision and audio towers). Parameters
+    drawn so that every part matters: norm weights (w, not 1 + w) and layer scalars around 1."""
+    import transformers
+
+    torch.manual_seed(seed)
+    types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
+    text = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=128, intermediate_size=192,
+                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+                layer_types=types, num_kv_shared_layers=shared, use_double_wide_mlp=True, hidden_size_per_layer_input=64,
+                sliding_window=8, final_logit_softcapping=30.0, eos_token_id=256, bos_token_id=None, pad_token_id=0,
+                max_position_embeddings=512, **extra)
+    if wrapper:
+        cfg = transformers.Gemma4Config(text_config=text, vision_config=transformers.Gemma4VisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=16), audio_config=transformers.Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1,
+                                                                      num_attention_heads=2, output_proj_dims=48),
+            image_token_id=vocab - 4, video_token_id=vocab - 3, audio_token_id=vocab - 2, boi_token_id=vocab - 5,
+            eoi_token_id=vocab - 6, boa_token_id=vocab - 7, eoa_token_index=vocab - 8)
+        model = transformers.Gemma4ForConditionalGeneration(cfg)
+    else:
+        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**text))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.6, 1.4)
+            elif p.dim() == 2:
+                p.normal_(0, 0.08)
+        for n, b in model.named_buffers():
+            if n.endswith("layer_scalar"):
+                b.uniform_(0.6, 1.4)
+    return _save(model, out, vocab, dtype)
+
+
+def _save(model, out: Path, vocab: int, dtype) -> Path:
+    """a made model saved as an HF checkpoint in dtype, with the byte tokenizer"""
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    (out / "tokenizer.json").write_text(byte_tokenizer(vocab))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    return out
+
+
 def _add_mtp(path: Path, E: int, I: int, *, heads: int, kv_heads: int, head_dim: int, dtype) -> None:
     """Qwen3.5's mtp.* tensors (one layer), random, appended to a saved checkpoint's weights"""
     from safetensors.torch import load_file, save_file
@@ -190,6 +233,26 @@ def host_capabilities() -> list[str]:
     return caps
 
 
+def prompt_then_steps(m, seq, n):
+    """(the torch runtime) logits of seq: the first n through the prompt path, the rest one decode step each"""
+    steps = [m.model.forward(torch.tensor(seq[:n]), 0, last_only=False)]
+    return torch.cat(steps + [m.model.forward(torch.tensor(seq[i:i + 1]), i) for i in range(n, len(seq))])
+
+
+def against_dequantized(q, seq: list[int], n: int = 64, prompt: int = 40):
+    """(a loaded artifact, the torch runtime) its logits of seq[:n] (all through the prompt path, and
+    the first ``prompt`` through it then decode steps) with the fp32 and bf16 logits of its own
+    dequantized weights on the torch reference: [(ours, fp32, bf16), ...] and the max-error budget
+    (2.5 x bf16's own error + 1% of the logits' scale)"""
+    t = torch.tensor(seq[:n])
+    a = q.model.forward(t, 0, last_only=False)
+    b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
+    b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
+    steps = prompt_then_steps(q, seq[:n], prompt)
+    budget = 2.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max()
+    return [(a, b32, b16), (steps[prompt:], b32[prompt:], b16[prompt:])], budget
+
+
 def dequant_reference(loaded, dtype=torch.float32):
     """The same model on dense copies of its dequantized weights (dtype), for oracles."""
     from sparkq.formats.layout import dequantize_codes, unpack
@@ -210,7 +273,10 @@ def dequant_reference(loaded, dtype=torch.float32):
     ref = Model(m.spec, dense, {k: v if v.dtype == torch.float32 else v.to(dtype) for k, v in m.norms.items()},
                 max_model_len=m.max_model_len,
                 kv_capacity=m.cache.capacity, kv_dtype="bf16")
-    ref.cache.k, ref.cache.v = ref.cache.k.to(dtype), ref.cache.v.to(dtype)
+    if isinstance(ref.cache.k, list):  # (per-layer head dims: one tensor per layer)
+        ref.cache.k, ref.cache.v = [t.to(dtype) for t in ref.cache.k], [t.to(dtype) for t in ref.cache.v]
+    else:
+        ref.cache.k, ref.cache.v = ref.cache.k.to(dtype), ref.cache.v.to(dtype)
     return ref
 
 

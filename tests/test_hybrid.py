@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import dequant_reference, kernel_builds, make_hybrid
+from helpers import against_dequantized, kernel_builds, make_hybrid, prompt_then_steps
 from sparkq.convert.pipeline import Options, convert
 from sparkq.formats import Artifact
 from sparkq.formats.recipe import SpecError, recipe_for_config
@@ -49,20 +49,13 @@ def hybrid(tmp_path_factory):
     return get
 
 
-def _prefill_then_steps(m, seq, n):
-    """Logits of seq: the first n through the prompt path, the rest one decode step each."""
-    steps = [m.model.forward(torch.tensor(seq[:n]), 0, last_only=False)]
-    steps += [m.model.forward(torch.tensor(seq[i:i + 1]), i) for i in range(n, len(seq))]
-    return torch.cat(steps)
-
-
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hybrid_bf16_vs_transformers(arch, kernel_build, hybrid):
     src, _, seq, ref32, ref16 = hybrid(arch)
     m = load(str(src), max_model_len=256, kv_dtype="bf16")
     assert m.info.extra["decode_path"].startswith(C_PATH), m.info.extra
-    ours = _prefill_then_steps(m, seq, 150)
+    ours = prompt_then_steps(m, seq, 150)
     ours_err, hf_err = (ours - ref32).abs().max(), (ref16 - ref32).abs().max()
     # within bf16's own error of transformers fp32 over 200 positions (the recurrent state carries it)
     assert ours_err <= 1.5 * hf_err + 0.01 * ref32.abs().max(), (arch, ours_err, hf_err)
@@ -80,14 +73,9 @@ def test_hybrid_int4_against_its_dequantized_weights(arch, kernel_build, hybrid)
     assert {art.infos[f"layers.0.{n}"].dtype for n in ("conv.weight", "a_log", "dt_bias", "gnorm.weight")} == {"F32"}
     q = load(str(out), max_model_len=256, kv_dtype="bf16")
     assert q.info.extra["decode_path"].startswith(C_PATH), q.info.extra
-    t = torch.tensor(seq[:64])
-    a = q.model.forward(t, 0, last_only=False)
-    b16 = dequant_reference(q, torch.bfloat16).forward(t, 0, last_only=False)
-    b32 = dequant_reference(q, torch.float32).forward(t, 0, last_only=False)
-    budget = 2.5 * (b16 - b32).abs().max() + 0.01 * b32.abs().max()
-    assert (a - b32).abs().max() <= budget, arch
-    dec = _prefill_then_steps(q, seq[:64], 40)[40:]
-    assert (dec - b32[40:]).abs().max() <= budget, arch
+    pairs, budget = against_dequantized(q, seq)
+    for got, b32, _ in pairs:
+        assert (got - b32).abs().max() <= budget, arch
 
 
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)

@@ -14,7 +14,7 @@ from sparkq.formats.mixers import MIXERS as FORMAT_MIXERS
 
 from .builds import KernelUnavailable
 
-ABI = 16
+ABI = 17
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -27,7 +27,9 @@ class SqLayer(ctypes.Structure):
     _fields_ = [("qkv", SqLinear), ("o", SqLinear), ("gate_up", SqLinear), ("down", SqLinear)] + [
         (n, _P) for n in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "cos", "sin",
                           "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I), ("gate", SqLinear)] + [
-        ("mixer", _I)] + [(n, _P) for n in ("conv_w", "a_log", "dt_bias", "gnorm", "conv_state", "rec_state")]
+        ("mixer", _I)] + [(n, _P) for n in ("conv_w", "a_log", "dt_bias", "gnorm", "conv_state", "rec_state")] + [
+        ("head_dim", _I), ("kv_shared", _I), ("scalar", _D), ("ple_gate", SqLinear), ("ple_proj", SqLinear),
+        ("ple_norm", _P)]
 
 
 class SqModel(ctypes.Structure):
@@ -36,7 +38,8 @@ class SqModel(ctypes.Structure):
         (n, _D) for n in ("eps", "attn_scale", "embed_mult", "res_mult")] + [("gate_width", _I)] + [
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)] + [
         (n, _I) for n in ("lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim", "conv_k")] + [
-        (n, _D) for n in ("beta_scale", "gnorm_eps")] + [("fc", SqLinear), ("fc_enorm", _P), ("fc_hnorm", _P)]
+        (n, _D) for n in ("beta_scale", "gnorm_eps")] + [("fc", SqLinear), ("fc_enorm", _P), ("fc_hnorm", _P)] + [
+        ("v_norm", _I), ("ple_dim", _I), ("ple_embed", SqLinear), ("ple_model", SqLinear), ("ple_in_norm", _P)]
 
 
 # sq_layer.mixer codes by mixer name (formats/mixers.py MIXERS; csrc/sq_abi.h MIXER_*), checked

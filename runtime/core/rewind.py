@@ -33,7 +33,7 @@ class Rewind:
         self.lib.sq_batch_keep(self.batch, kq.ctypes.data, kz.ctypes.data)
 
     def _slot_elems(self) -> int:
-        return self.spec.kv_heads * self.cap * self.spec.head_dim
+        return self.spec.kv_heads * self.cap * self.spec.max_head_dim
 
     def rewind(self, kvoff: int, n: int) -> None:
         """Keep the first n >= 1 rows of the last step_many's run in slot kvoff (taken with

@@ -136,16 +136,30 @@ class Session(Rewind):
                 continue
             if spec.attn_gate:
                 L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
+            if spec.head_dims or spec.kv_from:  # Gemma 4: its head dim; a KV-sharing layer writes no K/V
+                L.head_dim, L.kv_shared = spec.hd(i), int(not spec.owns_kv(i))
             _, rot, window = spec.layer_attention(i)
             L.cos, L.sin = ptr(ropes[i][0]), ptr(ropes[i][1])
             L.rot, L.window = rot, window or 0
             L.kcache, L.vcache = ptr(kcache[i]), ptr(vcache[i])
             if kscale is not None:
                 L.kscale, L.vscale = ptr(kscale[i]), ptr(vscale[i])
+        for i in range(spec.layers):  # Gemma 4: each layer's scalar and per-layer input branch
+            L = layers[i]
+            if spec.layer_scalar:
+                L.scalar = bf16_scalar(vectors[f"layers.{i}.{C.LAYER_SCALAR}.weight"])
+            if spec.ple_dim:
+                L.ple_gate, L.ple_proj = (linear_struct(lib, linears[f"layers.{i}.{r}"]) for r in (C.ROLE_PLE_GATE, C.ROLE_PLE_PROJ))
+                L.ple_norm = ptr(vectors[f"layers.{i}.{C.PLE_NORM}.weight"])
         head = linears[C.ROLE_LM_HEAD]
         m = self.m = abi.SqModel()
-        m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim = spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
-        m.inter, m.vocab, m.cap = spec.intermediate, head.n, cap
+        m.layers, m.hidden, m.heads, m.kv_heads = spec.layers, spec.hidden, spec.heads, spec.kv_heads
+        m.head_dim = spec.max_head_dim  # (per-layer head dims: the largest; each layer's in sq_layer)
+        m.inter, m.vocab, m.cap = max(spec.inters or (spec.intermediate,)), head.n, cap
+        m.v_norm, m.ple_dim = int(spec.v_norm), spec.ple_dim
+        if spec.ple_dim:
+            m.ple_embed, m.ple_model = (linear_struct(lib, linears[r]) for r in (C.ROLE_PLE_EMBED, C.ROLE_PLE_MODEL))
+            m.ple_in_norm = ptr(vectors[C.PLE_IN_NORM])
         m.act = ACT_CODES[spec.act]
         m.gate_width = spec.attn_gate
         m.norm_offset = int(bool(spec.norm_offset))
@@ -347,6 +361,13 @@ class Session(Rewind):
         if ids.size == 1 and self.tap is None:
             return self.step(int(ids[0]), pos0, out)
         return self.head(self.prefill(ids, pos0, True), out)
+
+
+def bf16_scalar(v) -> float:
+    """the first value of a bf16 vector (numpy bf16 bits, or a torch tensor)"""
+    if isinstance(v, np.ndarray):
+        return float(np.array([int(v.reshape(-1)[0]) << 16], np.uint32).view(np.float32)[0])
+    return float(v.reshape(-1)[0].float())
 
 
 def _np(buf) -> np.ndarray:

@@ -26,7 +26,7 @@ from sparkq.formats.rope import rope_tables_bf16
 
 from .. import core
 from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, LoadInfo, by_layer,
-                     check_fits, check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
+                     check_fits, check_kv_dtype, core_lacks, fix_malloc_mmap_threshold, kv_capacity, resolve)
 from ..errors import RuntimeUserError
 from ..generate import Generator
 from ..tokenizer import ChatTokenizer
@@ -83,17 +83,23 @@ class LiteModel(Generator):
         # [attention layers, slots, kv_heads, cap]; pages are touched only as tokens are written
         shape = (len(spec.kv_layers), slots, spec.kv_heads, cap, spec.head_dim)
         dt = np.uint16 if kv_dtype == "bf16" else np.int8
-        self.k, self.v = empty64(shape, dt), empty64(shape, dt)
+
+        def alloc(d, last=True):  # (per-layer head dims, Gemma 4: one array per layer)
+            if not spec.head_dims:
+                return empty64(shape if last else shape[:-1], d)
+            return [empty64((slots, spec.kv_heads, cap) + ((spec.hd(i),) if last else ()), d) for i in spec.kv_layers]
+        self.k, self.v = alloc(dt), alloc(dt)
         self.k_scale = self.v_scale = None
         if kv_dtype == "int8":
-            self.k_scale, self.v_scale = empty64(shape[:-1], np.uint16), empty64(shape[:-1], np.uint16)
+            self.k_scale, self.v_scale = alloc(np.uint16, False), alloc(np.uint16, False)
         # the recurrent mixers' state per layer (formats/mixers.py), [slots, ...] fp32; a slot's is
         # zeroed when a sequence starts at position 0 (Session)
         self.state = mixer_state(spec, slots, lambda shape: empty64(shape, np.float32))
         self.state_nbytes = sum(a.nbytes for st in self.state if st for a in st.values())
-        self.kv_nbytes = sum(a.nbytes for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
+        self.kv_nbytes = sum(a.nbytes for p in (self.k, self.v, self.k_scale, self.v_scale) if p is not None
+                             for a in (p if isinstance(p, list) else [p]))
         self.cap, self.slots = cap, slots
-        self.slot_elems = spec.kv_heads * cap * spec.head_dim  # the element offset between slots
+        self.slot_elems = spec.kv_heads * cap * spec.max_head_dim  # the element offset between slots (C core units)
         ropes = {}  # spec.layer_rope_key -> (cos, sin) bf16 bits [max_model_len, rot], one per distinct key
         per_layer = []
         for i in range(spec.layers):
@@ -177,6 +183,9 @@ def load(path_or_repo_id: str, *, max_model_len: int | None = None, kv_budget_mi
         art = Artifact.open(path)
     except ArtifactError as e:
         raise RuntimeUserError(str(e)) from None
+    if core_lacks(art.spec):
+        raise RuntimeUserError(f"{path}: the torch-free runtime needs the C core, and {core_lacks(art.spec)}; "
+                               "run it on the torch runtime (--torch)")
     if art.layout != ROWS32:
         raise RuntimeUserError(f"{path}: the torch-free runtime reads rows32 artifacts, this one is {art.layout}; "
                                "use sparkq without --lite, or convert with --target rows32")

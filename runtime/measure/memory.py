@@ -35,6 +35,12 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
     out = []
     for name, lin in m.lin.items():
         head = name in ("lm_head", "embed")
+        if name == "ple_embed":  # Gemma 4's per-layer input table: one row read per token
+            out += [("per-layer inputs", f"{name}.{s}", getattr(lin, a)) for s, a in (("qweight", "qweight"), ("scales", "scales"))
+                    if getattr(lin, a, None) is not None] if isinstance(lin, Int8Linear) else \
+                [("per-layer inputs", f"{name}.weight", lin.weight)] if isinstance(lin, DenseLinear) else []
+            if isinstance(lin, (Int8Linear, DenseLinear)):
+                continue
         if isinstance(lin, Int4Linear):
             out.append(("embedding/head" if head else "int4 weights", f"{name}.qweight", lin.qweight))
             out.append(("embedding/head" if head else "scales/zeros", f"{name}.scales_zeros", lin.scales_zeros))
@@ -52,9 +58,10 @@ def model_regions(loaded) -> list[tuple[str, str, object]]:
             out.append(("embedding/head" if head else "bf16 weights", f"{name}.weight", lin.weight))
     for name, t in m.norms.items():
         out.append(("norms", name, t))
-    out += [("kv cache", "kv.k", m.cache.k), ("kv cache", "kv.v", m.cache.v)]
-    if m.cache.k_scale is not None:
-        out += [("kv cache", "kv.k_scale", m.cache.k_scale), ("kv cache", "kv.v_scale", m.cache.v_scale)]
+    for name in ("k", "v", "k_scale", "v_scale"):  # (per-layer head dims: a tensor per layer)
+        t = getattr(m.cache, name)
+        out += [("kv cache", f"kv.{name}{j}", x) for j, x in enumerate(t)] if isinstance(t, list) else \
+            [("kv cache", f"kv.{name}", t)] if t is not None else []
     for i, st in enumerate(m.state):  # a hybrid model's recurrent layers: fixed per sequence, besides the KV cache
         for name, t in (st or {}).items():
             out.append(("recurrent state", f"layers.{i}.{name}", t))

@@ -19,9 +19,13 @@ def shared_prefix(have: list[int], n: int, ids: list[int], grid: int) -> int:
 
 def copy_positions(model, src: int, dst: int, a: int, b: int) -> None:
     """positions a..b-1 of KV slot src into slot dst, in every layer (K, V and an int8 cache's
-    scales: LiteModel's [layers, slots, kv_heads, cap(, head_dim)] arrays)"""
+    scales: LiteModel's [layers, slots, kv_heads, cap(, head_dim)] arrays, or per-layer lists of
+    [slots, kv_heads, cap(, head_dim)] where layers differ in head dim)"""
     for arr in (model.k, model.v, model.k_scale, model.v_scale):
-        if arr is not None:
+        if isinstance(arr, list):
+            for x in arr:
+                x[dst, :, a:b] = x[src, :, a:b]
+        elif arr is not None:
             arr[:, dst, :, a:b] = arr[:, src, :, a:b]
 
 

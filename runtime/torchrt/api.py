@@ -123,8 +123,12 @@ def _attach_fast(model: Model, lab: LabOptions, pinned: bool = False) -> str:
     if not lab.c_decode:
         return "torch (c_decode off)"
     why = fastpath.supported(model)
-    if why:
-        return f"torch ({why})"
+    if why:  # the model's step is not in the C core: its linears may still take the C products
+        lib = None if fastpath.linears_supported(model) else core.try_load()
+        if lib is None:
+            return f"torch ({why})"
+        fastpath.attach_linears(model, lib)
+        return f"torch ({why}; its linears through the C products)"
     lib = core.try_load()
     if lib is None:
         return "torch (C decode core unavailable)"

@@ -15,12 +15,17 @@ from sparkq.formats import constants as C
 from sparkq.formats.layout import ROWS32
 
 from .. import core
-from ..common import by_layer
+from ..common import by_layer, core_lacks
 from .weights import DenseLinear, Int4Linear, Int8Linear, c_gemm_pairs
 
 
 def supported(model) -> str | None:
     """None if the C step can run this model, else why not."""
+    return core_lacks(model.spec) or linears_supported(model)
+
+
+def linears_supported(model) -> str | None:
+    """None if the C products can multiply every linear of this model, else why not."""
     for name, lin in model.lin.items():
         if isinstance(lin, Int4Linear):
             if lin.layout.name != ROWS32:

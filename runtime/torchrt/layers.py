@@ -155,20 +155,48 @@ class Layers:
         o = o * self.vec(f"layers.{i}.{C.GDN_NORM}").float() * F.silu(z.reshape(b_, t_, g.v_heads, g.v_dim))
         return o.reshape(b_, t_, g.value_dim).to(qkv.dtype), new_conv, s
 
-    def qkv_heads(self, qkv: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv_heads(self, qkv: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The qkv product [..., T, q_dim + 2 kv_dim] -> q [..., T, heads, D], k and v [..., T, kv_heads,
-        D]: the bias added, q and k normed (before RoPE)."""
-        s = self.spec
+        D]: the bias added, q and k normed (before RoPE), v normed where the family does (Gemma 4,
+        no weight). A KV-sharing layer's product is its q alone: k and v None."""
+        s, d = self.spec, self.spec.hd(i)
         if s.qkv_bias:
             qkv = qkv + self.vec(f"layers.{i}.qkv.bias")
-        q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
         lead = qkv.shape[:-1]
+        if not s.owns_kv(i):
+            q = qkv.reshape(*lead, s.heads, d)
+            return (self.norm(q, f"layers.{i}.q_norm.weight") if s.qk_norm else q), None, None
+        q, k, v = qkv.split([s.heads * d, s.kv_heads * d, s.kv_heads * d], dim=-1)
         if s.qk_norm and s.qk_norm_full:  # over all heads, before the split (OLMo2)
             q, k = self.norm(q, f"layers.{i}.q_norm.weight"), self.norm(k, f"layers.{i}.k_norm.weight")
-        q, k = q.reshape(*lead, s.heads, s.head_dim), k.reshape(*lead, s.kv_heads, s.head_dim)
+        q, k = q.reshape(*lead, s.heads, d), k.reshape(*lead, s.kv_heads, d)
         if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(q, f"layers.{i}.q_norm.weight"), self.norm(k, f"layers.{i}.k_norm.weight")
-        return q, k, v.reshape(*lead, s.kv_heads, s.head_dim)
+        v = v.reshape(*lead, s.kv_heads, d)
+        if s.v_norm:
+            vf = v.float()
+            v = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + s.rms_eps)).to(v.dtype)
+        return q, k, v
+
+    def ple_inputs(self, tok: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs [T, layers, width] from each token's table row tok [T, layers *
+        width] and the projection of its (scaled) embedding ctx [T, layers * width]: the row times
+        sqrt(width) (in its dtype), ctx times hidden^-0.5 normed per layer, their sum times 2^-0.5."""
+        s = self.spec
+        t, p = tok.shape[0], s.ple_dim
+        tok = tok.reshape(t, s.layers, p) * torch.tensor(p ** 0.5, dtype=tok.dtype)
+        ctx = self.norm((ctx * s.hidden ** -0.5).reshape(t, s.layers, p), C.PLE_IN_NORM)
+        return (ctx + tok) * 2 ** -0.5
+
+    def ple_branch(self, h: torch.Tensor, i: int, ple_i: torch.Tensor, gate, proj) -> torch.Tensor:
+        """After layer i's MLP: the residual plus norm(proj(act(gate(h)) * ple_i)), then times the
+        layer's scalar (Gemma 4); ``gate`` and ``proj`` the layer's products."""
+        s = self.spec
+        if s.ple_dim:
+            h = h + self.norm(proj(self.act(gate(h)) * ple_i), f"layers.{i}.{C.PLE_NORM}.weight")
+        if s.layer_scalar:
+            h = h * self.vec(f"layers.{i}.{C.LAYER_SCALAR}.weight")
+        return h
 
     def gate(self, o: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
         """The attention output o [..., heads * D] times sigmoid of the gate product g [..., heads *

@@ -50,7 +50,8 @@ class LayerCfg:
 class KVCache:
     """Allocated once: k and v [layers, kv_heads, capacity, head_dim], bf16, or int8 codes with
     bf16 scales k_scale, v_scale [layers, kv_heads, capacity] (one per position and KV head; the
-    C core's layout, csrc/sq_abi.h, which reads and writes these same buffers)."""
+    C core's layout, csrc/sq_abi.h, which reads and writes these same buffers). Layers of different
+    head dims (Gemma 4): lists of per-layer [kv_heads, capacity, head_dim] instead."""
 
     def __init__(self, spec: ModelSpec, capacity: int, dtype: str = DEFAULT_KV_DTYPE):
         # the attention layers' caches, in order (spec.kv_layers); layer -> its index here
@@ -60,12 +61,17 @@ class KVCache:
         # 0.29 s of load and made the whole budget resident); no read ever reaches an unwritten
         # position (attention reads [start, end) after writing up to end)
         self.dtype = check_kv_dtype(dtype)
-        self.k = torch.empty(shape, dtype=torch.bfloat16 if dtype == "bf16" else torch.int8)
-        self.v = torch.empty_like(self.k)
+        dt = torch.bfloat16 if dtype == "bf16" else torch.int8
+
+        def alloc(d, last=True):
+            if not spec.head_dims:
+                return torch.empty(shape if last else shape[:-1], dtype=d)
+            return [torch.empty((spec.kv_heads, capacity, spec.hd(i)) if last else (spec.kv_heads, capacity), dtype=d)
+                    for i in spec.kv_layers]
+        self.k, self.v = alloc(dt), alloc(dt)
         self.k_scale = self.v_scale = None
         if dtype == "int8":
-            self.k_scale = torch.empty(shape[:-1], dtype=torch.bfloat16)
-            self.v_scale = torch.empty_like(self.k_scale)
+            self.k_scale, self.v_scale = alloc(torch.bfloat16, False), alloc(torch.bfloat16, False)
         self.capacity = capacity
 
     @staticmethod
@@ -74,7 +80,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        parts = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        return sum(t.numel() * t.element_size() for p in parts for t in (p if isinstance(p, list) else [p]))
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,20 +97,20 @@ class KVCache:
         """k, v [kv_heads, T, D] of positions pos0.. into the layer's cache"""
         end, layer = pos0 + k.shape[1], self.index[layer]
         if self.dtype == "bf16":
-            self.k[layer, :, pos0:end] = k
-            self.v[layer, :, pos0:end] = v
+            self.k[layer][:, pos0:end] = k
+            self.v[layer][:, pos0:end] = v
             return
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = self.quantize(x)
-            codes[layer, :, pos0:end] = q
-            scales[layer, :, pos0:end] = s
+            codes[layer][:, pos0:end] = q
+            scales[layer][:, pos0:end] = s
 
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys and values [kv_heads, end - start, D] in bf16 (int8: code * scale in fp32, rounded)"""
         layer = self.index[layer]
         if self.dtype == "bf16":
-            return self.k[layer, :, start:end], self.v[layer, :, start:end]
-        return tuple((c[layer, :, start:end].float() * s[layer, :, start:end, None].float()).to(torch.bfloat16)
+            return self.k[layer][:, start:end], self.v[layer][:, start:end]
+        return tuple((c[layer][:, start:end].float() * s[layer][:, start:end, None].float()).to(torch.bfloat16)
                      for c, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 
@@ -147,16 +154,17 @@ class Model:
         s, t = self.spec, x.shape[0]
         q, k, v = self.layers.qkv_heads(self.lin[f"layers.{i}.qkv"](x), i)
         cfg = self.layer_cfg[i]
-        q, k = cfg.rope.apply(q, pos0), cfg.rope.apply(k, pos0)
+        q = cfg.rope.apply(q, pos0)
         end = pos0 + t
-        self.cache.write(i, pos0, k.transpose(0, 1), v.transpose(0, 1))
+        if k is not None:  # (a KV-sharing layer reads the cache its source layer just wrote)
+            self.cache.write(i, pos0, cfg.rope.apply(k, pos0).transpose(0, 1), v.transpose(0, 1))
         start = 0 if cfg.window is None else max(0, end - cfg.window - t + 1)
-        keys, vals = self.cache.read(i, start, end)
+        keys, vals = self.cache.read(s.kv_from[i] if s.kv_from else i, start, end)
         g = self.lin[f"layers.{i}.{C.ROLE_GATE}"](x) if s.attn_gate else None
         if t == 1:  # decode: the cache slice is exactly the visible window, no mask needed
             o = self._decode_attention(q, keys, vals)
         else:
-            o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale).transpose(0, 1).reshape(t, s.q_dim)
+            o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale).transpose(0, 1).reshape(t, -1)
         return self.lin[f"layers.{i}.o"](self.layers.gate(o, g))
 
     def _gdn(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
@@ -174,10 +182,10 @@ class Model:
         """One query token, GQA as a grouped matmul (SDPA takes its slow math path for this
         shape on CPU): q [1, H, D], keys/vals [KV, L, D] -> [1, H*D]."""
         s = self.spec
-        qg = q.view(s.kv_heads, s.heads // s.kv_heads, s.head_dim)
+        qg = q.view(s.kv_heads, s.heads // s.kv_heads, q.shape[-1])
         att = torch.matmul(qg, keys.transpose(1, 2)).float().mul_(self.scale).softmax(-1)
         o = torch.matmul(att.to(vals.dtype), vals)  # [KV, G, D]
-        return o.reshape(1, s.q_dim)
+        return o.reshape(1, -1)
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.lin[f"layers.{i}.down"](self.layers.glu(self.lin[f"layers.{i}.gate_up"](x)))
@@ -203,10 +211,14 @@ class Model:
         if self.embed_mult is not None:
             x = x * self.embed_mult
         lay = self.layers
+        ple = lay.ple_inputs(self.lin[C.ROLE_PLE_EMBED].embed(ids), self.lin[C.ROLE_PLE_MODEL](x)) if s.ple_dim else None
         for i in range(s.layers):
             mix = self._gdn if s.mixers[i] == C.MIXER_GDN else self._attention
             x = lay.residual(x, mix(i, lay.attn_in(x, i), pos0), i, C.ROLE_O)
             x = lay.residual(x, self._mlp(i, lay.mlp_in(x, i)), i, C.ROLE_DOWN)
+            if ple is not None or s.layer_scalar:
+                x = lay.ple_branch(x, i, None if ple is None else ple[:, i], self.lin.get(f"layers.{i}.{C.ROLE_PLE_GATE}"),
+                                   self.lin.get(f"layers.{i}.{C.ROLE_PLE_PROJ}"))
         if last_only:
             x = x[-1:]
         return self._head(lay.final(x).contiguous())

@@ -58,6 +58,7 @@ typedef struct {
     sq_act *a;
     sq_a16 *ti; /* the opt-in tile products' activations (gemv_tiles.c), NULL until a step takes them */
     int64_t *run0, *runT; /* this step's runs: rows of one slot at consecutive positions */
+    float *ple, *ple_ctx; /* the rows' per-layer inputs [rows, layers * P] and ple_model products (Gemma 4) */
     float *keep_qkv, *keep_zba; /* where the next step copies its GDN layers' inputs (sq_batch_keep), or NULL */
 } sq_batch;
 
@@ -65,7 +66,7 @@ void sq_batch_free(void *p) {
     sq_batch *b = p;
     if (!b) return;
     free(b->x); free(b->xn); free(b->g); free(b->qkv); free(b->att); free(b->h); free(b->gu); free(b->mid); free(b->sc); free(b->part);
-    free(b->run0); free(b->runT);
+    free(b->run0); free(b->runT); free(b->ple); free(b->ple_ctx);
     acts_free(b->a, b->rows);
     a16_free(b->ti);
     free(b);
@@ -76,7 +77,7 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     if (rows < 1) return NULL;
     sq_batch *b = calloc(1, sizeof(sq_batch));
     if (!b) return NULL;
-    const int64_t M = rows, E = m->hidden, H = m->heads, KV = m->kv_heads, I = m->inter;
+    const int64_t M = rows, E = m->hidden, H = m->heads, KV = m->kv_heads, I = imax2(m->inter, m->ple_dim);
     const int64_t maxk = mix_maxk(m);
     b->rows = M;
     b->x = malloc(sizeof(float) * M * E), b->xn = malloc(sizeof(float) * M * maxk);
@@ -88,6 +89,13 @@ void *sq_batch_new(const sq_model *m, int64_t rows) {
     b->part = malloc(sizeof(float) * items * part_floats(m));
     b->a = acts_new(M, maxk);
     b->run0 = malloc(sizeof(int64_t) * M), b->runT = malloc(sizeof(int64_t) * M);
+    if (m->ple_dim) {
+        b->ple = malloc(sizeof(float) * M * m->layers * m->ple_dim), b->ple_ctx = malloc(sizeof(float) * M * m->layers * m->ple_dim);
+        if (!b->ple || !b->ple_ctx) {
+            sq_batch_free(b);
+            return NULL;
+        }
+    }
     for (int64_t t = 0; b->a && t < M; t++) b->a[t].col = t; /* b->ti: on the first step that takes the tiles */
     if (!(b->x && b->xn && b->g && b->qkv && b->att && b->h && b->gu && b->mid && b->sc && b->part && b->a && b->run0 && b->runT)) {
         sq_batch_free(b);
@@ -127,8 +135,8 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
     }
     float *keep_qkv = b->keep_qkv, *keep_zba = b->keep_zba;
     b->keep_qkv = b->keep_zba = NULL; /* one step's */
-    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), grp = H / KV, pf = part_floats(m);
+    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, P = m->ple_dim, I = imax2(m->inter, P);
+    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), grp = H / KV, NLP = m->layers * P;
     const int64_t gc = gdn_c(m), gvd = gdn_vd(m), gnz = gdn_nz(m); /* a GDN layer's row widths */
     const int off = (int)m->norm_offset;
     float *x = b->x, *xn = b->xn, *qkv = b->qkv, *att = b->att, *h = b->h, *gu = b->gu, *mid = b->mid, *sc = b->sc;
@@ -156,9 +164,19 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                 }
             }
             if (hin) products_many(&m->fc, a, M, x, E);
+            if (P) { /* the rows' per-layer inputs (Gemma 4) */
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) prep(&m->ple_model, x + t * E, &a[t]);
+                products_many(&m->ple_model, a, M, b->ple_ctx, NLP);
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) ple_combine(m, tok[t], b->ple_ctx + t * NLP, b->ple + t * NLP);
+            }
             int64_t gi = 0; /* GDN layers so far (each thread's own count) */
             for (int64_t li = 0; li < m->layers; li++) {
                 const sq_layer *L = &m->layer[li];
+                sq_model lm_;
+                const sq_model *ml = layer_model(m, L, &lm_); /* its head dim (Gemma 4): D, the attention's */
+                const int64_t Dl = layer_hd(m, L), pf = part_floats(ml), Il = L->gate_up.n / 2, nh = rope_heads(ml, L);
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M; t++) {
                     rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * maxk);
@@ -203,13 +221,13 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                 } else { /* attention */
                     if (m->qk_norm_full) {
 #pragma omp for schedule(static)
-                        for (int64_t t = 0; t < M; t++) qk_norm_wide(m, L, qkv + t * nqkv);
+                        for (int64_t t = 0; t < M; t++) qk_norm_wide(ml, L, qkv + t * nqkv);
                     }
 #pragma omp for schedule(static)
-                    for (int64_t it = 0; it < M * (H + KV); it++) {
-                        const int64_t t = it / (H + KV);
-                        const sq_layer Ls = layer_slot(m, L, kvoff[t]); /* this sequence's slot */
-                        qk_rope_head(m, &Ls, qkv + t * nqkv, pos[t], it % (H + KV));
+                    for (int64_t it = 0; it < M * nh; it++) {
+                        const int64_t t = it / nh;
+                        const sq_layer Ls = layer_slot(ml, L, layer_kvoff(m, L, kvoff[t])); /* this sequence's slot */
+                        qk_rope_head(ml, &Ls, qkv + t * nqkv, pos[t], it % nh);
                     }
                     /* each sequence's attention work items (attention.c), nbm blocks apart: the items
                      * of sq_step's attention(), their partials laid out as there */
@@ -222,8 +240,8 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                         const int64_t t = (it) / (KV * nbm), g = (it) / nbm % KV, bb = (it) % nbm, start = window_start(L, pos[t]); \
                         const int64_t nb = attn_blocks(start, pos[t] + 1); \
                         if (bb < nb) { \
-                            const sq_layer Ls = layer_slot(m, L, kvoff[t]); \
-                            attend_item(m, &Ls, qkv + t * nqkv, start, pos[t] + 1, g, bb, sc + (it) * grp * KVB, \
+                            const sq_layer Ls = layer_slot(ml, L, layer_kvoff(m, L, kvoff[t])); \
+                            attend_item(ml, &Ls, qkv + t * nqkv, start, pos[t] + 1, g, bb, sc + (it) * grp * KVB, \
                                         part + (t * KV * nbm + g * nb + bb) * pf); \
                         } \
                     } while (0)
@@ -238,11 +256,11 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
 #pragma omp for schedule(static)
                     for (int64_t it = 0; it < M * H; it++) {
                         const int64_t t = it / H, hh = it % H, nb = attn_blocks(window_start(L, pos[t]), pos[t] + 1);
-                        attend_finish(m, part + (t * KV * nbm + hh / grp * nb) * pf, nb, hh % grp, att + t * qd + hh * D);
+                        attend_finish(ml, part + (t * KV * nbm + hh / grp * nb) * pf, nb, hh % grp, att + t * qd + hh * Dl);
                     }
 #pragma omp for schedule(static)
                     for (int64_t t = 0; t < M; t++) {
-                        if (L->gate.q) attn_gate(m, b->g + t * L->gate.n, att + t * qd);
+                        if (L->gate.q) attn_gate(ml, b->g + t * L->gate.n, att + t * qd);
                         prep(&L->o, att + t * qd, &a[t]);
                     }
                 }
@@ -256,12 +274,31 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                 products_many(&L->gate_up, a, M, gu, 2 * I);
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M; t++) {
-                    silu_mul(gu + t * 2 * I, I, (int)m->act, mid + t * I);
+                    silu_mul(gu + t * 2 * I, Il, (int)m->act, mid + t * I);
                     prep(&L->down, mid + t * I, &a[t]);
                 }
                 products_many(&L->down, a, M, h, E);
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) add_residual(m, L->post_mlp_norm, h + t * E, x + t * E);
+                for (int64_t t = 0; t < M; t++) {
+                    add_residual(m, L->post_mlp_norm, h + t * E, x + t * E);
+                    if (L->ple_gate.q) prep(&L->ple_gate, x + t * E, &a[t]);
+                }
+                if (L->ple_gate.q) { /* the per-layer input branch (Gemma 4), sq_step's per row */
+                    products_many(&L->ple_gate, a, M, gu, 2 * I);
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) {
+                        memcpy(gu + t * 2 * I + P, b->ple + t * NLP + li * P, sizeof(float) * (size_t)P);
+                        silu_mul(gu + t * 2 * I, P, (int)m->act, mid + t * I);
+                        prep(&L->ple_proj, mid + t * I, &a[t]);
+                    }
+                    products_many(&L->ple_proj, a, M, h, E);
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) add_residual(m, L->ple_norm, h + t * E, x + t * E);
+                }
+                if (L->scalar != 0.0) {
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) layer_scale(m, L, x + t * E);
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < M; t++) rms_norm(x + t * E, m->final_norm, E, m->eps, off, xn + t * maxk);
@@ -309,6 +346,9 @@ int sq_head_many(const sq_model *m, void *work, int64_t M, const float *xn, floa
     return 0;
 }
 
+int sq_prefill_in_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
+                     int64_t chunk, float *out, int64_t all);
+
 /* sq_prefill into the KV slot at element offset kvoff of every layer's cache */
 int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk,
                   float *out, int64_t all) {
@@ -321,7 +361,11 @@ int sq_prefill_in_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, co
     sq_model at = *m;
     sq_layer *ls = malloc(sizeof(sq_layer) * (m->layers > 0 ? m->layers : 1));
     if (!ls) return -1;
-    for (int64_t li = 0; li < m->layers; li++) ls[li] = layer_slot(m, &m->layer[li], kvoff);
+    for (int64_t li = 0; li < m->layers; li++) { /* (a layer of its own head dim: its slot offset in its units) */
+        sq_model lm_;
+        const sq_layer *L = &m->layer[li];
+        ls[li] = layer_slot(layer_model(m, L, &lm_), L, layer_kvoff(m, L, kvoff));
+    }
     at.layer = ls;
     const int rc = prefill_rows(&at, tokens, hin, T, pos0, chunk, out, all);
     free(ls);
@@ -336,28 +380,5 @@ int sq_batch_xn(const sq_model *m, void *batch, int64_t t, float *out) {
     if (!b || t < 0 || t >= b->rows) return -1;
     const int64_t maxk = mix_maxk(m);
     memcpy(out, b->xn + t * maxk, sizeof(float) * (size_t)m->hidden);
-    return 0;
-}
-
-/* Exact logits of head rows ids[0..n) for the final-normed state x: both planes of a split head
- * (split_row_dot, as its refinement computes them), else the stored weights in fp64 (refine_top's),
- * the same bits the step gives the rows it refines. A grammar's allowed tokens are refined so
- * (runtime/serve/engine.py). Returns 0, -1 out of memory. */
-int sq_head_exact(const sq_model *m, const float *x, const int32_t *ids, int64_t n, float *out) {
-    const sq_linear *H = &m->head;
-    if (!H->res) {
-        for (int64_t i = 0; i < n; i++) out[i] = (float)exact_row_dot(H, ids[i], x);
-        return 0;
-    }
-    const int64_t G = H->k / H->g;
-    float *gsum = malloc(sizeof(float) * (size_t)G);
-    if (!gsum) return -1;
-    for (int64_t gi = 0; gi < G; gi++) { /* split_select's sums */
-        float s = 0.f;
-        for (int64_t j = gi * H->g; j < (gi + 1) * H->g; j++) s += x[j];
-        gsum[gi] = s;
-    }
-    for (int64_t i = 0; i < n; i++) out[i] = split_row_dot(H, ids[i], x, gsum);
-    free(gsum);
     return 0;
 }

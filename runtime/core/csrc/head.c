@@ -295,3 +295,26 @@ static void split_rows(const sq_linear *H, sq_work *w, const float *x, float *lo
         logits[w->cand[i]] = split_row_dot(H, w->cand[i], x, w->gsum);
     }
 }
+
+/* Exact logits of head rows ids[0..n) for the final-normed state x: both planes of a split head
+ * (split_row_dot, as its refinement computes them), else the stored weights in fp64 (refine_top's),
+ * the same bits the step gives the rows it refines. A grammar's allowed tokens are refined so
+ * (runtime/serve/engine.py). Returns 0, -1 out of memory. */
+int sq_head_exact(const sq_model *m, const float *x, const int32_t *ids, int64_t n, float *out) {
+    const sq_linear *H = &m->head;
+    if (!H->res) {
+        for (int64_t i = 0; i < n; i++) out[i] = (float)exact_row_dot(H, ids[i], x);
+        return 0;
+    }
+    const int64_t G = H->k / H->g;
+    float *gsum = malloc(sizeof(float) * (size_t)G);
+    if (!gsum) return -1;
+    for (int64_t gi = 0; gi < G; gi++) { /* split_select's sums */
+        float s = 0.f;
+        for (int64_t j = gi * H->g; j < (gi + 1) * H->g; j++) s += x[j];
+        gsum[gi] = s;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = split_row_dot(H, ids[i], x, gsum);
+    free(gsum);
+    return 0;
+}

@@ -80,6 +80,28 @@ static inline sq_layer layer_slot(const sq_model *m, const sq_layer *L, int64_t 
     return s;
 }
 
+/* Per-layer geometry (Gemma 4): layer L's head dim; the model as L's attention sees it (its head dim,
+ * in a copy at *buf where it differs from the model's, the largest); a KV slot's element offset
+ * (model units: kv_heads * cap * head_dim per slot) in L's caches */
+static inline int64_t layer_hd(const sq_model *m, const sq_layer *L) { return L->head_dim > 0 ? L->head_dim : m->head_dim; }
+static inline const sq_model *layer_model(const sq_model *m, const sq_layer *L, sq_model *buf) {
+    if (L->head_dim <= 0 || L->head_dim == m->head_dim) return m;
+    *buf = *m;
+    buf->head_dim = L->head_dim;
+    return buf;
+}
+static inline int64_t layer_kvoff(const sq_model *m, const sq_layer *L, int64_t kvoff) {
+    return L->head_dim > 0 && L->head_dim != m->head_dim ? kvoff / m->head_dim * L->head_dim : kvoff;
+}
+
+/* x [d] RMS-normed in place without a weight (Gemma 4's v norm) */
+static void rms_plain(float *x, int64_t d, double eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; i++) ss += (double)x[i] * x[i];
+    const float r = (float)(1.0 / sqrt(ss / d + eps));
+    for (int64_t i = 0; i < d; i++) x[i] *= r;
+}
+
 /* one position's K and V rows of KV head g into the layer's cache (bf16, or int8 + scales) */
 static void kv_store(const sq_model *m, const sq_layer *L, int64_t g, int64_t pos, const float *k, const float *v) {
     const int64_t D = m->head_dim, at = g * m->cap + pos;
@@ -100,8 +122,15 @@ static void qk_rope_head(const sq_model *m, const sq_layer *L, float *q, int64_t
     float *hv = q + h * D; /* q heads then k heads are contiguous */
     if (L->q_norm && !m->qk_norm_full) rms_norm(hv, h < H ? L->q_norm : L->k_norm, D, m->eps, (int)m->norm_offset, hv);
     rope(hv, L->cos + pos * L->rot, L->sin + pos * L->rot, L->rot);
-    if (h >= H) kv_store(m, L, h - H, pos, hv, q + (H + KV + h - H) * D);
+    if (h >= H) {
+        float *v = q + (H + KV + h - H) * D;
+        if (m->v_norm) rms_plain(v, D, m->eps);
+        kv_store(m, L, h - H, pos, hv, v);
+    }
 }
+
+/* the heads qk_rope_head visits: a KV-sharing layer's queries only */
+static inline int64_t rope_heads(const sq_model *m, const sq_layer *L) { return m->heads + (L->kv_shared ? 0 : m->kv_heads); }
 
 /* q and k of one token normed over all their heads (qk_norm_full, OLMo2), before the per-head RoPE */
 static void qk_norm_wide(const sq_model *m, const sq_layer *L, float *q) {
@@ -114,7 +143,7 @@ static void qk_norm_wide(const sq_model *m, const sq_layer *L, float *q) {
 /* every head of one token (the prefill; the decode step spreads the heads over its threads) */
 static void qk_rope_cache(const sq_model *m, const sq_layer *L, float *q, int64_t pos) {
     qk_norm_wide(m, L, q);
-    for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, q, pos, h);
+    for (int64_t h = 0; h < rope_heads(m, L); h++) qk_rope_head(m, L, q, pos, h);
 }
 
 /* x += h (one token's residual stream), h normed first where the layer has a post-norm (gemma),
@@ -245,4 +274,26 @@ static void embed_row(const sq_linear *E, int64_t id, float *x) {
         const uint16_t *w = (const uint16_t *)E->q + id * K;
         for (int64_t k = 0; k < K; k++) x[k] = bf(w[k]);
     }
+}
+
+/* One token's per-layer inputs (Gemma 4) ple [layers * P] from ctx [layers * P], the ple_model
+ * product of its scaled embedding (overwritten): per layer l, (norm(ctx_l / sqrt(hidden), ple_in_norm)
+ * + ple_embed[token]_l * sqrt(P)) / sqrt(2), sqrt(P) rounded to bf16 as transformers' scale is */
+static void ple_combine(const sq_model *m, int64_t token, float *ctx, float *ple) {
+    const int64_t P = m->ple_dim;
+    embed_row(&m->ple_embed, token, ple);
+    const float sp = bf(to_bf(sqrtf((float)P))), se = (float)(1.0 / sqrt((double)m->hidden));
+    for (int64_t l = 0; l < m->layers; l++) {
+        float *c = ctx + l * P, *p = ple + l * P;
+        for (int64_t i = 0; i < P; i++) c[i] *= se;
+        rms_norm(c, m->ple_in_norm, P, m->eps, (int)m->norm_offset, c);
+        for (int64_t i = 0; i < P; i++) p[i] = (c[i] + p[i] * sp) * 0.70710678118654752f;
+    }
+}
+
+/* x [hidden] times the layer's scalar (Gemma 4), where it has one */
+static inline void layer_scale(const sq_model *m, const sq_layer *L, float *x) {
+    if (L->scalar == 0.0) return;
+    const float s = (float)L->scalar;
+    for (int64_t i = 0; i < m->hidden; i++) x[i] *= s;
 }

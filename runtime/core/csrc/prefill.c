@@ -40,8 +40,8 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
     if (!m->fc.q != !hin) return -5; /* an MTP block (fc) reads hidden states, a model none */
     if (T <= 0 || pos0 < 0 || pos0 + T > m->cap || !gdn_model_ok(m)) return -2;
     if (chunk <= 0 || chunk > T) chunk = T;
-    const int64_t E = m->hidden, H = m->heads, KV = m->kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qd = H * D, nqkv = qd + 2 * KV * D, maxk = mix_maxk(m), wide = imax2(imax2(2 * I, mix_qkv(m)), 2 * E);
+    const int64_t E = m->hidden, H = m->heads, D = m->head_dim, I = m->inter, P = m->ple_dim, NLP = m->layers * P;
+    const int64_t maxk = mix_maxk(m), wide = imax2(imax2(imax2(2 * I, mix_qkv(m)), 2 * E), NLP);
     const int off = (int)m->norm_offset;
     int nthr = 1;
 #ifdef _OPENMP
@@ -53,12 +53,13 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
     float *gv = malloc(sizeof(float) * chunk * mix_gate(m)); /* or a GDN layer's z | b | a */
     float *scr = malloc(sizeof(float) * nthr * PQB * m->cap);
     float *kf = malloc(sizeof(float) * (pos0 + T) * D), *vf = malloc(sizeof(float) * (pos0 + T) * D); /* attention_many */
+    float *ple = P ? malloc(sizeof(float) * chunk * NLP) : NULL; /* the chunk's per-layer inputs (Gemma 4) */
     void *xt = NULL; /* the bf16 GEMM's activation tiles, shared by every product */
 #ifdef SQ_BF16
     xt = alloc64(sizeof(uint16_t) * ((chunk + 15) / 16 * 16) * maxk); /* BT (8) or the tile GEMM's 16 tokens */
-    int rc = (x && xn && big && att && scr && kf && vf && gv && xt) ? 0 : -1;
+    int rc = (x && xn && big && att && scr && kf && vf && gv && xt && (!P || ple)) ? 0 : -1;
 #else
-    int rc = (x && xn && big && att && scr && kf && vf && gv) ? 0 : -1;
+    int rc = (x && xn && big && att && scr && kf && vf && gv && (!P || ple)) ? 0 : -1;
 #endif
     if (!rc && pos0 == 0) gdn_reset_slot(m, 0); /* a new sequence: empty GDN states (m: the slot's view) */
     for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
@@ -74,8 +75,16 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
             }
         }
         if (hin && (rc = linear_many(&m->fc, big, n, x, xt))) break;
+        if (P) { /* the chunk's per-layer inputs (Gemma 4): the ple_model products into big, then each row's */
+            if ((rc = linear_many(&m->ple_model, x, n, big, xt))) break;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < n; t++) ple_combine(m, tokens[c0 + t], big + t * NLP, ple + t * NLP);
+        }
         for (int64_t li = 0; li < m->layers && !rc; li++) {
             const sq_layer *L = &m->layer[li];
+            sq_model lm_;
+            const sq_model *ml = layer_model(m, L, &lm_); /* its head dim (Gemma 4) */
+            const int64_t nq = L->qkv.n, Il = L->gate_up.n / 2, qd = ml->heads * ml->head_dim; /* its row widths */
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
             if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
@@ -85,11 +94,11 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
                 gdn_mix_team(m, L, big, gdn_c(m), gv, gdn_nz(m), n, att, gdn_vd(m));
             } else {
 #pragma omp parallel for schedule(static)
-                for (int64_t t = 0; t < n; t++) qk_rope_cache(m, L, big + t * nqkv, p0 + t);
-                attention_many(m, L, big, nqkv, p0, n, att, scr, kf, vf);
+                for (int64_t t = 0; t < n; t++) qk_rope_cache(ml, L, big + t * nq, p0 + t);
+                attention_many(ml, L, big, nq, p0, n, att, scr, kf, vf);
                 if (L->gate.q)
 #pragma omp parallel for schedule(static)
-                    for (int64_t t = 0; t < n; t++) attn_gate(m, gv + t * gw, att + t * qd);
+                    for (int64_t t = 0; t < n; t++) attn_gate(ml, gv + t * gw, att + t * qd);
             }
             if ((rc = linear_many(&L->o, att, n, xn, xt))) break;
 #pragma omp parallel for schedule(static)
@@ -99,10 +108,25 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
             }
             if ((rc = linear_many(&L->gate_up, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < n; t++) silu_mul(big + t * 2 * I, I, (int)m->act, xn + t * I);
+            for (int64_t t = 0; t < n; t++) silu_mul(big + t * 2 * Il, Il, (int)m->act, xn + t * Il);
             if ((rc = linear_many(&L->down, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) add_residual(m, L->post_mlp_norm, big + t * E, x + t * E);
+            if (L->ple_gate.q) { /* the per-layer input branch (Gemma 4): [g | ple_l] rows in att, act(g) * ple_l */
+                if ((rc = linear_many(&L->ple_gate, x, n, big, xt))) break;
+#pragma omp parallel for schedule(static)
+                for (int64_t t = 0; t < n; t++) {
+                    memcpy(att + t * 2 * P, big + t * P, sizeof(float) * (size_t)P);
+                    memcpy(att + t * 2 * P + P, ple + t * NLP + li * P, sizeof(float) * (size_t)P);
+                    silu_mul(att + t * 2 * P, P, (int)m->act, xn + t * P);
+                }
+                if ((rc = linear_many(&L->ple_proj, xn, n, big, xt))) break;
+#pragma omp parallel for schedule(static)
+                for (int64_t t = 0; t < n; t++) add_residual(m, L->ple_norm, big + t * E, x + t * E);
+            }
+            if (L->scalar != 0.0)
+#pragma omp parallel for schedule(static)
+                for (int64_t t = 0; t < n; t++) layer_scale(m, L, x + t * E);
         }
         if (rc) break;
         if (all) {
@@ -112,7 +136,7 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
             rms_norm(x + (n - 1) * E, m->final_norm, E, m->eps, off, out);
         }
     }
-    free(x); free(xn); free(big); free(att); free(gv); free(scr); free(kf); free(vf); free(xt);
+    free(x); free(xn); free(big); free(att); free(gv); free(scr); free(kf); free(vf); free(xt); free(ple);
     return rc;
 }
 

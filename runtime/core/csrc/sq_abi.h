@@ -5,7 +5,7 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 16
+#define SQ_ABI 17
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
@@ -40,7 +40,12 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
  * RMSNorm's weight, x * w form), and its per-sequence fp32 state: conv_state [slots, C, K - 1]
  * (the previous K - 1 pre-conv inputs, oldest first) and rec_state [slots, Hv, dk, dv] (S[h][i][j],
  * i the key dim); a sequence at position 0 empties its slot's states first (gdn.c gdn_reset_slot).
- * q_norm, k_norm, cos, sin and the KV cache are unused (NULL) there. */
+ * q_norm, k_norm, cos, sin and the KV cache are unused (NULL) there.
+ * Per-layer geometry (Gemma 4; 0 / NULL: none): head_dim (this layer's; the model's head_dim is the
+ * largest, and a KV slot's offset is in its units), kv_shared (1: qkv holds q rows only and the caches
+ * are an earlier layer's, read, never written), scalar (the layer's output times it), and after the
+ * MLP the per-layer input branch: x += norm(ple_proj(act(ple_gate x) * ple_l), ple_norm). The MLP
+ * width is gate_up.n / 2 (the model's inter is the largest). */
 #define SQ_LAYER_FIELDS(F)                                                                        \
     F(sq_linear, qkv) F(sq_linear, o) F(sq_linear, gate_up) F(sq_linear, down)                    \
     F(const uint16_t *, attn_norm) F(const uint16_t *, mlp_norm) F(const uint16_t *, post_attn_norm) \
@@ -48,7 +53,8 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
     F(const uint16_t *, cos) F(const uint16_t *, sin) F(void *, kcache) F(void *, vcache)               \
     F(uint16_t *, kscale) F(uint16_t *, vscale) F(int64_t, rot) F(int64_t, window) F(sq_linear, gate)   \
     F(int64_t, mixer) F(const float *, conv_w) F(const float *, a_log) F(const float *, dt_bias)  \
-    F(const float *, gnorm) F(float *, conv_state) F(float *, rec_state)
+    F(const float *, gnorm) F(float *, conv_state) F(float *, rec_state) F(int64_t, head_dim) F(int64_t, kv_shared) \
+    F(double, scalar) F(sq_linear, ple_gate) F(sq_linear, ple_proj) F(const uint16_t *, ple_norm)
 
 /* the model: shape, act (0 SiLU, 1 GELU-tanh, 2 GELU (erf)), norm_offset (1: (1 + w) norms), refine_top (top
  * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),
@@ -61,7 +67,10 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
  * h reads key head h / (Hv / Hk)), lin_k_dim dk, lin_v_dim dv, conv_k K (the conv's kernel, <= 16),
  * beta_scale (1, or 2: OLMo Hybrid's allow_neg_eigval), gnorm_eps (the gated RMSNorm's); a multi-token-
  * prediction block's input (fc.q NULL: none): fc [hidden, 2 hidden] over [norm(embed(token), fc_enorm) |
- * norm(hidden state, fc_hnorm)] replaces the embedding row (sq_step_many_in, sq_prefill_in_at). */
+ * norm(hidden state, fc_hnorm)] replaces the embedding row (sq_step_many_in, sq_prefill_in_at); v_norm (1: each
+ * V head RMS-normed without a weight before the cache, Gemma 4); per-layer inputs (ple_dim P > 0, Gemma 4):
+ * per token ple_l = (norm(ple_model(x)_l / sqrt(hidden), ple_in_norm) + ple_embed[token]_l * sqrt(P)) / sqrt(2)
+ * for each layer l, x the scaled embedding (pointwise.c ple_combine). */
 #define SQ_MODEL_FIELDS(F)                                                                        \
     F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
     F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
@@ -70,7 +79,8 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
     F(sq_layer *, layer) F(sq_linear, head) F(sq_linear, embed) F(const uint16_t *, final_norm)            \
     F(int64_t, lin_k_heads) F(int64_t, lin_v_heads) F(int64_t, lin_k_dim) F(int64_t, lin_v_dim)   \
     F(int64_t, conv_k) F(double, beta_scale) F(double, gnorm_eps) F(sq_linear, fc) F(const uint16_t *, fc_enorm)  \
-    F(const uint16_t *, fc_hnorm)
+    F(const uint16_t *, fc_hnorm) F(int64_t, v_norm) F(int64_t, ple_dim) F(sq_linear, ple_embed) F(sq_linear, ple_model) \
+    F(const uint16_t *, ple_in_norm)
 
 #define SQ_FIELD_DECL(type, name) type name;
 typedef struct { SQ_LINEAR_FIELDS(SQ_FIELD_DECL) } sq_linear;

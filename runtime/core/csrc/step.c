@@ -5,7 +5,7 @@
 int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x, float *logits) {
     sq_work *w = work;
     if (pos < 0 || pos >= m->cap) return -1;
-    const int64_t E = m->hidden, I = m->inter;
+    const int64_t E = m->hidden, P = m->ple_dim;
     const int off = (int)m->norm_offset;
     if (pos == 0) gdn_reset_slot(m, 0); /* a new sequence: empty GDN states */
     /* one parallel region per token: `single` blocks for the serial parts, worksharing loops
@@ -17,9 +17,18 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             embed_row(&m->embed, token, x);
             if (m->embed_mult != 0.0)
                 for (int64_t i = 0; i < E; i++) x[i] = bf(to_bf(x[i] * (float)m->embed_mult));
+            if (P) prep(&m->ple_model, x, &w->a);
+        }
+        if (P) { /* the per-layer inputs (Gemma 4) */
+            products(&m->ple_model, &w->a, w->ple_ctx);
+#pragma omp single
+            ple_combine(m, token, w->ple_ctx, w->ple);
         }
         for (int64_t li = 0; li < m->layers; li++) {
             const sq_layer *L = &m->layer[li];
+            sq_model lm_;
+            const sq_model *ml = layer_model(m, L, &lm_); /* its head dim (Gemma 4) */
+            const int64_t I = L->gate_up.n / 2;
 #pragma omp single
             {
                 rms_norm(x, L->attn_norm, E, m->eps, off, w->xn);
@@ -36,15 +45,15 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             } else {
                 if (m->qk_norm_full) {
 #pragma omp single
-                    qk_norm_wide(m, L, w->qkv);
+                    qk_norm_wide(ml, L, w->qkv);
                 }
 #pragma omp for schedule(static)
-                for (int64_t h = 0; h < m->heads + m->kv_heads; h++) qk_rope_head(m, L, w->qkv, pos, h);
-                attention(m, L, w->qkv, pos, w->scores, w->part, w->att);
+                for (int64_t h = 0; h < rope_heads(ml, L); h++) qk_rope_head(ml, L, w->qkv, pos, h);
+                attention(ml, L, w->qkv, pos, w->scores, w->part, w->att);
             }
 #pragma omp single
             {
-                if (L->gate.q && L->mixer != MIXER_GDN) attn_gate(m, w->g, w->att);
+                if (L->gate.q && L->mixer != MIXER_GDN) attn_gate(ml, w->g, w->att);
                 prep(&L->o, w->att, &w->a);
             }
             products(&L->o, &w->a, w->h);
@@ -64,7 +73,22 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
 #pragma omp single
             {
                 add_residual(m, L->post_mlp_norm, w->h, x);
+                if (L->ple_gate.q) prep(&L->ple_gate, x, &w->a);
             }
+            if (L->ple_gate.q) { /* the per-layer input branch (Gemma 4) */
+                products(&L->ple_gate, &w->a, w->gu);
+#pragma omp single
+                {
+                    memcpy(w->gu + P, w->ple + li * P, sizeof(float) * (size_t)P);
+                    silu_mul(w->gu, P, (int)m->act, w->mid);
+                    prep(&L->ple_proj, w->mid, &w->a);
+                }
+                products(&L->ple_proj, &w->a, w->h);
+#pragma omp single
+                add_residual(m, L->ple_norm, w->h, x);
+            }
+#pragma omp single
+            layer_scale(m, L, x);
         }
 #pragma omp single
         {

@@ -8,6 +8,7 @@ typedef struct {
     int32_t *cand, *tie; /* refine_split: the candidate rows, and a bucket's members while selecting */
     float *gsum;         /* refine_split: per-group sums of the activations */
     int64_t ncand;
+    float *ple, *ple_ctx; /* per-layer inputs: the token's [layers * P], and the ple_model product */
 } sq_work;
 
 void sq_work_free(void *p);
@@ -23,7 +24,7 @@ static inline int64_t imax2(int64_t a, int64_t b) { return a > b ? a : b; }
 /* The steps' buffer widths per token, the larger of attention's and a GDN layer's: the qkv product,
  * the mixer output (o's input), the gate product, and the widest activation a product takes */
 static inline int64_t mix_qkv(const sq_model *m) { return imax2((m->heads + 2 * m->kv_heads) * m->head_dim, gdn_c(m)); }
-static inline int64_t mix_att(const sq_model *m) { return imax2(m->heads * m->head_dim, gdn_vd(m)); }
+static inline int64_t mix_att(const sq_model *m) { return imax2(imax2(m->heads * m->head_dim, gdn_vd(m)), 2 * m->ple_dim); }
 static inline int64_t mix_gate(const sq_model *m) {
     return imax2(m->heads * (m->gate_width > 0 ? m->gate_width : 1), gdn_nz(m));
 }
@@ -44,12 +45,20 @@ void *sq_work_new(const sq_model *m) {
     w->qkv = malloc(sizeof(float) * mix_qkv(m));
     w->att = malloc(sizeof(float) * mix_att(m));
     w->h = malloc(sizeof(float) * m->hidden);
-    w->gu = malloc(sizeof(float) * 2 * m->inter);
-    w->mid = malloc(sizeof(float) * m->inter);
+    w->gu = malloc(sizeof(float) * 2 * imax2(m->inter, m->ple_dim)); /* (the per-layer input branch's [g | ple_l] too) */
+    w->mid = malloc(sizeof(float) * imax2(m->inter, m->ple_dim));
     w->g = malloc(sizeof(float) * mix_gate(m));
     const int64_t items = m->kv_heads * attn_blocks(0, m->cap); /* the most decode attention work items */
     w->scores = malloc(sizeof(float) * items * (m->heads / m->kv_heads) * KVB);
     w->part = malloc(sizeof(float) * items * part_floats(m));
+    if (m->ple_dim) {
+        w->ple = malloc(sizeof(float) * m->layers * m->ple_dim);
+        w->ple_ctx = malloc(sizeof(float) * m->layers * m->ple_dim);
+        if (!w->ple || !w->ple_ctx) {
+            sq_work_free(w);
+            return NULL;
+        }
+    }
     if (!sq_act_alloc(&w->a, maxk) || !w->xn || !w->qkv || !w->att || !w->h || !w->gu || !w->mid || !w->g || !w->scores || !w->part) {
         sq_work_free(w);
         return NULL;
@@ -70,7 +79,7 @@ void sq_work_free(void *p) {
     sq_work *w = p;
     if (!w) return;
     free(w->xn); free(w->qkv); free(w->att); free(w->h); free(w->gu); free(w->mid); free(w->g); free(w->scores); free(w->part);
-    free(w->cand); free(w->tie); free(w->gsum);
+    free(w->cand); free(w->tie); free(w->gsum); free(w->ple); free(w->ple_ctx);
     sq_act_free(&w->a);
     free(w);
 }

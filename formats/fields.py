@@ -1,0 +1,100 @@
+"""Config fields read into a ModelSpec (spec.py): the activation names, the refusals of fields whose
+math sparkq does not implement, the output gate's width, layer types, multipliers and NoPE layers."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .recipe import SpecError
+from .rope import flat_rope
+
+if TYPE_CHECKING:
+    from .spec import ModelSpec
+
+
+ACTS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu",)}
+# the expert count of mixture-of-experts MLPs (each family's name for it): a positive one is refused,
+# sparkq runs dense MLPs (a dense config may still carry num_experts_per_tok and the like: Granite 4.0)
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
+    """Config fields that would change the math in a way sparkq does not implement: refused by name,
+    never converted into a silently different model."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
+    if act is not None and act not in ACTS[spec.act]:
+        field_ = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+        raise SpecError(f"config.json: {field_}={act!r} is not implemented for {spec.family} "
+                        f"(sparkq runs {' / '.join(ACTS[spec.act])} here)")
+    if cfg.get("mlp_bias"):
+        raise SpecError("config.json: mlp_bias=true (biases on the MLP projections) is not implemented")
+    if cfg.get("attention_bias") and not spec.qkv_bias:
+        raise SpecError("config.json: attention_bias=true (biases on q/k/v/o) is not implemented for "
+                        f"{spec.family}")
+    if cfg.get("attn_logit_softcapping"):
+        raise SpecError("config.json: attn_logit_softcapping (soft-capped attention scores) is not implemented")
+    types = set(cfg.get("layer_types") or cfg.get("layers_block_type") or ())
+    if "mamba" in types:
+        raise SpecError("config.json: layer_types has mamba layers (a hybrid state-space model): not implemented; "
+                        "sparkq runs attention and Gated DeltaNet (linear_attention) layers")
+    if "linear_attention" in types and spec.gdn is None:
+        raise SpecError(f"config.json: layer_types has linear_attention layers, which the {spec.family} recipe does "
+                        "not implement (sparkq runs them as Qwen3.5 / OLMo Hybrid Gated DeltaNet layers)")
+    moe = next((f for f in MOE_FIELDS if cfg.get(f)), None)
+    if moe:
+        raise SpecError(f"config.json: {moe}={cfg[moe]} (mixture-of-experts MLPs) is not implemented; sparkq runs "
+                        "dense MLPs")
+    if cfg.get("attention_k_eq_v"):
+        raise SpecError("config.json: attention_k_eq_v=true (full-attention layers whose values are their keys, "
+                        "Gemma 4 26B / 31B) is not implemented; sparkq runs the E2B / E4B layout")
+    if cfg.get("enable_moe_block"):
+        raise SpecError(f"config.json: enable_moe_block=true ({cfg.get('num_experts')} experts, mixture-of-experts MLPs: "
+                        "Gemma 4 26B-A4B) is not implemented; sparkq runs dense MLPs")
+    if cfg.get("use_bidirectional_attention"):
+        raise SpecError("config.json: use_bidirectional_attention=true (an encoder) is not implemented")
+
+
+def _gate_width(cfg: dict, gate: str) -> int:
+    """ModelSpec.attn_gate from the recipe's attn_gate feature and the config (Spark2_5's
+    headwise_attn_output_gate switches its gate off when false)."""
+    if gate == "none" or cfg.get("headwise_attn_output_gate", True) is False:
+        return 0
+    if not isinstance(cfg.get("headwise_attn_output_gate", True), bool):
+        raise SpecError("config.json: headwise_attn_output_gate must be true or false")
+    return 1 if gate == "head" else int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+
+
+def _layer_types(cfg: dict) -> tuple[str, ...]:
+    """Per-layer attention types; GraniteMoeHybrid's "attention" is full attention (its "mamba"
+    layers are refused by _check_implemented)."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ()
+    return tuple({"attention": "full_attention"}.get(str(t), str(t)) for t in types)
+
+
+def _multiplier(cfg: dict, key: str) -> float | None:
+    """A positive scalar field of the config (Granite's multipliers), None where absent or 1."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    v = float(v)
+    if not (v > 0 and v != float("inf")):
+        raise SpecError(f"config.json: {key}={v} must be a positive number")
+    return None if v == 1.0 else v
+
+
+def _nope_layers(cfg: dict, rope_optional: bool = False) -> tuple[int, ...]:
+    """The layers without RoPE: SmolLM3's no_rope_layers (one flag per layer, 0: no RoPE); every
+    layer where the family's RoPE is optional and the config names no theta (OLMo Hybrid 7B's
+    ``rope_theta: null``: transformers builds no rotary embedding)."""
+    if rope_optional and "rope_theta" in cfg and cfg["rope_theta"] is None and not flat_rope(cfg).get("rope_theta"):
+        return tuple(range(int(cfg["num_hidden_layers"])))
+    if "position_embedding_type" in cfg and cfg["position_embedding_type"] != "rope":  # GraniteMoeHybrid: NoPE
+        return tuple(range(int(cfg["num_hidden_layers"])))
+    flags = cfg.get("no_rope_layers")
+    if flags is None and cfg.get("no_rope_layer_interval"):  # transformers' default list from the interval
+        n = int(cfg["no_rope_layer_interval"])
+        flags = [int((i + 1) % n != 0) for i in range(int(cfg["num_hidden_layers"]))]
+    if flags is None:
+        return ()
+    if not isinstance(flags, list) or any(f not in (0, 1) for f in flags):
+        raise SpecError("config.json: no_rope_layers must list 0 or 1 per layer")
+    return tuple(i for i, f in enumerate(flags) if f == 0)
