@@ -71,8 +71,11 @@ def convert(src: str, out: str, opts: Options) -> dict:
                 if opts.calib_tokens < 1:
                     raise ConvertError("--calib-tokens must be >= 1")
                 ids, cal_info = calibration_ids(source, opts.calib, opts.calib_tokens)
-            if opts.bpw is not None:  # (the MTP block's linears stay int4: the probe's forward does not reach them)
-                mtp = [lin for lin in linears if lin.name.startswith("mtp.")]
+            if opts.bpw is not None:
+                # outside the budget: the MTP block's linears (int4: the probe's forward does not reach
+                # them) and the per-layer input table (the recipe's int8 rows: read a row per token,
+                # its scales a row's own, where int4's [K/g, N, 2] scales put a row on K/g pages)
+                mtp = [lin for lin in linears if lin.name.startswith("mtp.") or lin.name == C.ROLE_PLE_EMBED]
                 linears, budget_info, head_imp = spend_budget(source, spec, srcs, [lin for lin in linears if lin not in mtp],
                                                               vectors, ids, opts)
                 linears += mtp

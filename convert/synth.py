@@ -122,7 +122,8 @@ def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bo
     entries = [(n, C.DTYPE_BF16, s) for n, s in sorted(shapes.items())]
     g = torch.Generator().manual_seed(seed)
     with atomic_dir(out, force) as tmp:
-        w = TensorFileWriter(str(tmp / "model.safetensors"), entries, {"format": "pt"})
+        # (a plain HF checkpoint: no alignment padding tensors, which other tools refuse)
+        w = TensorFileWriter(str(tmp / "model.safetensors"), entries, {"format": "pt"}, align=False)
         total = sum(torch.Size(s).numel() * 2 for _, _, s in entries)
         with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress, leave=False) as bar:
             for name, _, shp in entries:

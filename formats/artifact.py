@@ -184,6 +184,29 @@ class Artifact:
         except (OSError, AttributeError):
             pass
 
+    def _advise_rows(self, base: int) -> None:
+        """madvise(MADV_NOHUGEPAGE, MADV_RANDOM) on the tensors read a row per token (Gemma 4's
+        per-layer input table, constants.ROW_READ; Linux, best effort): a token's row faults in its
+        own pages, not the 2 MiB folio or the read-around window around them (the E2B shape's table
+        after a 128-token generation: 240 MiB resident of 2240 without this; docs/performance.md)."""
+        if not sys.platform.startswith("linux"):
+            return
+        import ctypes
+        import mmap
+
+        page = mmap.PAGESIZE
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            return
+        for name, t in self.infos.items():
+            if name.split(".")[0] in C.ROW_READ and t.nbytes:
+                a, b = (base + t.start + page - 1) // page * page, (base + t.start + t.nbytes) // page * page
+                if b > a:
+                    libc.madvise(a, b - a, 15)  # MADV_NOHUGEPAGE
+                    libc.madvise(a, b - a, 1)  # MADV_RANDOM
+
     def map(self) -> dict[str, torch.Tensor]:
         """Every tensor as a view into one private mmap of the weights file."""
         import torch
@@ -193,6 +216,7 @@ class Artifact:
         storage = torch.UntypedStorage.from_file(str(self.weights_path), shared=False, nbytes=size)
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
         self._advise_hugepages(flat.data_ptr(), size)
+        self._advise_rows(flat.data_ptr())
         out = {}
         for name, t in self.infos.items():
             if name.startswith(C.PAD_PREFIX):
@@ -208,6 +232,7 @@ class Artifact:
         bf16 tensors as their uint16 bit patterns)."""
         flat = np.memmap(self.weights_path, dtype=np.uint8, mode="r")
         self._advise_hugepages(flat.ctypes.data, flat.nbytes)
+        self._advise_rows(flat.ctypes.data)
         out = {}
         for name, t in self.infos.items():
             if name.startswith(C.PAD_PREFIX):

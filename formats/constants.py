@@ -101,6 +101,7 @@ HEAD_ROLES = (ROLE_LM_HEAD, ROLE_EMBED)  # the (tied) embedding/head
 # embedding's projection to it and its norm; per layer its gate, projection and post norm; the layer's scalar
 ROLE_PLE_EMBED, ROLE_PLE_MODEL, PLE_IN_NORM = "ple_embed", "ple_model", "ple_in_norm.weight"
 ROLE_PLE_GATE, ROLE_PLE_PROJ, PLE_NORM, LAYER_SCALAR = "ple_gate", "ple_proj", "ple_norm", "layer_scalar"
+ROW_READ = (ROLE_PLE_EMBED,)  # linears read a row per token from the mapping (artifact.py advises them so)
 ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES + (ROLE_PLE_EMBED, ROLE_PLE_MODEL, ROLE_PLE_GATE, ROLE_PLE_PROJ)
 LAYER_NORMS = ("attn_norm", "mlp_norm")
 # the multi-token-prediction block (see above): its input projection and norms, its layers' prefix

@@ -42,13 +42,14 @@ def _nbytes(dtype: str, shape) -> int:
     return prod(shape) * C.DTYPE_BYTES[dtype]
 
 
-def plan_layout(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
-    """Header dict and data-section size for tensors written in the given order."""
+def plan_layout(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str], align: bool = True):
+    """Header dict and data-section size for tensors written in the given order (``align`` False: no
+    padding tensors, a plain checkpoint other tools read)."""
     header: dict = {"__metadata__": dict(metadata)}
     off = 0
     npad = 0
     for name, dtype, shape in entries:
-        if off % C.ALIGNMENT:
+        if align and off % C.ALIGNMENT:
             gap = C.ALIGNMENT - off % C.ALIGNMENT
             header[f"{C.PAD_PREFIX}{npad}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [off, off + gap]}
             npad += 1
@@ -78,8 +79,8 @@ class TensorFileWriter:
 
     STAGE = 4 << 20
 
-    def __init__(self, path: str, entries, metadata: dict[str, str]):
-        self.header, self.data_size = plan_layout(entries, metadata)
+    def __init__(self, path: str, entries, metadata: dict[str, str], align: bool = True):
+        self.header, self.data_size = plan_layout(entries, metadata, align)
         self.order = [e[0] for e in entries]
         self.head = encode_header(self.header)
         self.f = open(path, "wb", buffering=0)
