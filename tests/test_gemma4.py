@@ -5,7 +5,7 @@ tiny random models made with transformers (the oracle). bf16 logits against tran
 its dequantized weights on the torch reference, on every build; both runtimes the same bits and the
 batched step the single step's; the server's prefix cache across the sharing layers; the multimodal
 wrapper's text model; the KV budget counts only the layers that keep a cache; the refusals (k = v
-attention, experts, GPTQ calibration)."""
+attention, experts, GPTQ calibration); chat turns that reuse their history."""
 import json
 
 import numpy as np
@@ -142,3 +142,34 @@ def test_refusals_and_the_cli(g4, tmp_path):
     got = [json.loads(run_cli("sparkq", "generate", str(out), "hello", rt, "--max-new-tokens", "8", "--json").stdout)
            for rt in ("--lite", "--torch")]
     assert got[0]["token_ids"] == got[1]["token_ids"] and len(got[0]["token_ids"]) == 8
+
+
+GEMMA_CHAT = ("{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+              "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_chat_turns_reuse_the_history(g4, tmp_path):
+    """`sparkq chat`'s conversation on a Gemma 4 artifact with a Gemma-style template: a second turn
+    prefills only its new tokens (the sharing layers read the history their sources cached), and its
+    first logits match a fresh prefill of the whole conversation"""
+    from sparkq.runtime.chat import ChatSession, common_prefix
+    from sparkq.runtime.lite import load as load_lite
+    src, out, _ = g4
+    art = tmp_path / "chat"
+    art.mkdir()
+    for f in out.iterdir():
+        (art / f.name).symlink_to(f)
+    (art / "tokenizer_config.json").unlink()
+    (art / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "chat_template": GEMMA_CHAT}))
+    g = load_lite(str(art), max_model_len=256, kv_budget_mib=8)
+    s = ChatSession(g)
+    "".join(s.turn("hello there", max_new_tokens=8))
+    hist = list(s.cached)
+    ids2 = g.tokenizer.encode_chat(s.messages + [{"role": "user", "content": "and then?"}])
+    reuse = common_prefix(hist, ids2)
+    assert reuse > len(hist) // 2
+    first = g.prefill_from(ids2, reuse).copy()
+    fresh = load_lite(str(art), max_model_len=256, kv_budget_mib=8).first_logits(ids2)
+    assert np.abs(first - fresh).max() / np.abs(fresh).max() < 0.03
+    "".join(s.turn("and then?", max_new_tokens=6))
+    assert s.last["prefilled"] == len(ids2) - reuse
