@@ -28,8 +28,9 @@ from sparkq.formats.rope import rope_tables_bf16
 
 from . import core
 from .chat import common_prefix
+from .common import decode_read_bytes
 from .errors import RuntimeUserError
-from .speculate import GIVE_UP
+from .speculate import GIVE_UP, _below
 
 CATCH_UP_ROWS = 8  # pending pairs fed as batched step rows up to this many, else through the prompt path
 HOLD_PAIRS = 256  # pending pairs kept while a sequence does not draft (fed at its next draft: one prompt call)
@@ -39,7 +40,7 @@ class MtpBlock:
     """The artifact's MTP block over the C core: ``session`` (core.Session, fc set), ``slots`` KV slots
     of ``cap`` positions."""
 
-    def __init__(self, path, *, slots: int, cap: int, threads: int, lib=None):
+    def __init__(self, path, *, slots: int, cap: int, threads: int, lib=None, tensors: dict | None = None):
         try:
             art = Artifact.open(Path(path))
         except ArtifactError as e:
@@ -52,7 +53,7 @@ class MtpBlock:
         # the block's layers as a model of n attention layers (each a full-attention layer of the model)
         self.spec = mspec = replace(spec, layers=n, layer_types=("full_attention",) * n, gdn=None, mtp_layers=0,
                                     nope_layers=())
-        t = self.tensors = art.map_numpy()
+        t = self.tensors = tensors if tensors is not None else art.map_numpy()  # (the model's own mapping, where given)
         lin = {}
         for name, e in art.linears.items():
             if name.startswith(C.MTP_LAYER.format(j="")[:-1]):
@@ -72,9 +73,9 @@ class MtpBlock:
                                     pinned=True, fc=fc)
         self.slots, self.cap, self.slot_elems = slots, cap, mspec.kv_heads * cap * mspec.head_dim
         self.vocab = spec.vocab
-        # a draft step's bytes: the block's tensors and the head (the embedding: one row)
-        self.step_bytes = sum(int(a.nbytes) for k, a in t.items() if k.startswith("mtp.")) + sum(
-            int(a.nbytes) for k, a in t.items() if k.startswith(C.ROLE_LM_HEAD + ".") and not k.endswith("residual"))
+        # a draft step's bytes: the block's tensors and the head as a decode step reads it
+        self.step_bytes = sum(decode_read_bytes(k, int(a.nbytes), int(a.shape[0])) for k, a in t.items()
+                              if len(a.shape) and k.startswith(("mtp.", C.ROLE_LM_HEAD + ".")))
 
 
 def _clinear(name: str, e, t: dict) -> core.CLinear:
@@ -156,13 +157,6 @@ class MtpDrafter:
         return [_below(out[slot], self.b.vocab) for slot, _, _ in asks]
 
 
-def _below(d: list[int], limit: int) -> list[int]:
-    for i, t in enumerate(d):
-        if t >= limit:
-            return d[:i]
-    return d
-
-
 def target_session(target):
     """the target's C-core Session (a LiteModel's, or the torch runtime's fast path), or None"""
     return getattr(target, "session", None) or getattr(getattr(target, "model", None), "fast", None)
@@ -178,7 +172,8 @@ def mtp_drafter(target, *, slots: int = 1, threads: int | None = None) -> MtpDra
     if info is None or info.kind != "artifact":
         raise RuntimeUserError("--draft mtp needs a sparkq artifact with an MTP block (convert the checkpoint first)")
     path = info.source
-    block = MtpBlock(path, slots=slots, cap=s.cap, threads=threads or s.threads, lib=s.lib)
+    block = MtpBlock(path, slots=slots, cap=s.cap, threads=threads or s.threads, lib=s.lib,
+                     tensors=getattr(target, "tensors", None))
     from .speculate import step_bytes
     theirs = step_bytes(target)
     slot_elems = getattr(target, "slot_elems", None) or s.spec.kv_heads * s.cap * s.spec.head_dim

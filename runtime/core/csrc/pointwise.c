@@ -1,11 +1,8 @@
 /* The pointwise parts between the products, per token, fp32: RMS norms, RoPE, the q/k norms
  * and the KV-cache write, the attention output gate, residual adds, SwiGLU / GELU, and embedding rows. */
 
-static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, int offset, float *out) {
-    if (!w) { /* a layer without this norm (OLMo2 has none before attention and the MLP) */
-        if (out != x) memcpy(out, x, sizeof(float) * d);
-        return;
-    }
+/* 1 / rms(x) (eps inside the root), the sum of squares in fp64 */
+static float rms_inv(const float *x, int64_t d, double eps) {
     double ss = 0.0;
     int64_t i0 = 0;
 #ifdef SQ_AVX512
@@ -20,7 +17,15 @@ static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, i
     }
 #endif
     for (int64_t i = i0; i < d; i++) ss += (double)x[i] * x[i];
-    float r = (float)(1.0 / sqrt(ss / d + eps));
+    return (float)(1.0 / sqrt(ss / d + eps));
+}
+
+static void rms_norm(const float *x, const uint16_t *w, int64_t d, double eps, int offset, float *out) {
+    if (!w) { /* a layer without this norm (OLMo2 has none before attention and the MLP) */
+        if (out != x) memcpy(out, x, sizeof(float) * d);
+        return;
+    }
+    const float r = rms_inv(x, d, eps);
     for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * (offset ? 1.f + bf(w[i]) : bf(w[i]));
 }
 
@@ -96,9 +101,7 @@ static inline int64_t layer_kvoff(const sq_model *m, const sq_layer *L, int64_t 
 
 /* x [d] RMS-normed in place without a weight (Gemma 4's v norm) */
 static void rms_plain(float *x, int64_t d, double eps) {
-    double ss = 0.0;
-    for (int64_t i = 0; i < d; i++) ss += (double)x[i] * x[i];
-    const float r = (float)(1.0 / sqrt(ss / d + eps));
+    const float r = rms_inv(x, d, eps);
     for (int64_t i = 0; i < d; i++) x[i] *= r;
 }
 
