@@ -286,13 +286,15 @@ class Calibration:
                 y[t0:t0 + step] = _mm(self.inp[t0:t0 + step].float(), w)
         y = self.perturb(name, self.inp, y)
         i = int(layer.split(".")[1])
-        if role == C.ROLE_QKV and self.spec.mixers[i] == C.MIXER_GDN:
-            # the gate linear (z | b | a) from the mixer's input, its bf16 weight as stored (the
-            # pipeline quantizes it uncalibrated, as the attention output gate); each window from
-            # an empty state
-            zba = self.inp.float() @ self._vec(f"layers.{i}.{C.ROLE_GATE}").to(torch.bfloat16).float().T
+        if role == C.ROLE_QKV and self.spec.mixers[i] != C.MIXER_ATTENTION:
+            # a recurrent mixer: its gate linear (if any: GDN's z | b | a, Mamba's z | dt) from the
+            # mixer's input, its bf16 weight as stored (the pipeline quantizes it uncalibrated, as the
+            # attention output gate); each window from an empty state
             n, t = self.seqs, self.seq_len
-            self.inp = self.layers.gdn(i, y.view(n, t, -1), zba.view(n, t, -1))[0].reshape(n * t, -1)
+            zba = None
+            if C.ROLE_GATE in self.spec.roles(i):
+                zba = (self.inp.float() @ self._vec(f"layers.{i}.{C.ROLE_GATE}").to(torch.bfloat16).float().T).view(n, t, -1)
+            self.inp = self.layers.recurrent(i, y.view(n, t, -1), zba, None)[0].reshape(n * t, -1)
         elif role == C.ROLE_QKV:
             g = None
             if self.spec.attn_gate:  # the output gate, from the attention's input (its bf16 weight as stored)

@@ -85,6 +85,30 @@ SHAPES["gemma4-e4b"] = {**SHAPES["gemma4-e2b"], "hidden_size": 2560, "intermedia
                         "num_key_value_heads": 2, "num_kv_shared_layers": 18, "use_double_wide_mlp": False,
                         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7}
 
+# LFM2-1.2B (LiquidAI/LFM2-1.2B's config.json, its legacy field names): 16 layers, gated short
+# convolutions (kernel 3) but attention at 2, 5, 8, 10, 12, 14 (32 heads of 64, 8 KV heads), an MLP of
+# 8192 (block_ff_dim 12288 through the auto-adjust rule), a tied 65536-row embedding
+SHAPES["lfm2-1.2b"] = {
+    "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 2048, "block_ff_dim": 12288,
+    "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536,
+    "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-5,
+    "rope_theta": 1000000.0, "max_position_embeddings": 128000, "tie_embedding": True, "torch_dtype": "bfloat16",
+}
+# Granite-4.0-H-1B (ibm-granite/granite-4.0-h-1b's geometry): 40 layers, attention (NoPE, 12 heads of
+# 128, 4 KV heads) at 5, 15, 25, 35, Mamba-2 elsewhere (48 heads of 64, state 128, one group, conv 4),
+# a shared MLP of 4096, a tied 100352-row embedding; the multipliers are granite-4.0-h-350m's
+SHAPES["granite-4.0-h-1b"] = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 1536,
+    "intermediate_size": 4096, "shared_intermediate_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 12,
+    "num_key_value_heads": 4, "num_local_experts": 0, "num_experts_per_tok": 0, "vocab_size": 100352,
+    "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)], "mamba_n_heads": 48,
+    "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4,
+    "mamba_conv_bias": True, "mamba_proj_bias": False, "position_embedding_type": "nope", "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.015625, "residual_multiplier": 0.246, "logits_scaling": 3.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+
 # shape -> the chat template (convert/data/) its checkpoint carries
 TEMPLATES = {"spark-x2.5-1.7b": "spark2_5_chat_template.jinja"}
 
@@ -132,7 +156,7 @@ def synth(shape: str, out: str, seed: int = 0, force: bool = False, progress: bo
                 step = max(1, (8 << 20) // max(1, torch.Size(shp[1:]).numel()))
                 for r0 in range(0, rows, step):
                     r = min(rows, r0 + step) - r0
-                    if name.endswith(("A_log", "dt_bias")):  # a slow decay, as trained DeltaNets have
+                    if name.endswith(("A_log", "dt_bias")):  # a slow decay, as trained DeltaNets / Mambas have
                         t = (0.5 if name.endswith("A_log") else -3.0) + 0.3 * torch.randn(r, generator=g)
                     elif len(shp) == 1:
                         t = 1.0 + 0.1 * torch.randn(r, generator=g)

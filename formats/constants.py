@@ -115,6 +115,11 @@ MIXER_GDN = "gdn"              # Gated DeltaNet: a short conv and a delta-rule r
 # a Gated DeltaNet layer's parameters, fp32 in the artifact (never quantized; layers.L.<name>)
 GDN_CONV, GDN_A_LOG, GDN_DT_BIAS, GDN_NORM = "conv.weight", "a_log", "dt_bias", "gnorm.weight"
 GDN_PARAMS = (GDN_CONV, GDN_A_LOG, GDN_DT_BIAS, GDN_NORM)
+MIXER_SCONV = "sconv"          # a gated short convolution: B, C, x; C * conv(B * x) (LFM2, LFM3)
+MIXER_MAMBA = "mamba2"         # Mamba-2: conv over x | B | C, a selective state per head, a gated norm (Granite 4.0-H)
+# their parameters besides the conv weight, a_log, dt_bias and gnorm above (fp32, as GDN's)
+CONV_BIAS, SSM_D = "conv.bias", "d"
+MIXER_PARAMS = GDN_PARAMS + (CONV_BIAS, SSM_D)  # every mixer's fp32 parameter names (layers.L.<name>)
 
 KIND_INT4 = "int4"
 KIND_LUT4 = "lut4"  # 4-bit codes into a learned 16-level table per row (rows32 only; see above)

@@ -33,9 +33,12 @@ def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
     if cfg.get("attn_logit_softcapping"):
         raise SpecError("config.json: attn_logit_softcapping (soft-capped attention scores) is not implemented")
     types = set(cfg.get("layer_types") or cfg.get("layers_block_type") or ())
-    if "mamba" in types:
-        raise SpecError("config.json: layer_types has mamba layers (a hybrid state-space model): not implemented; "
-                        "sparkq runs attention and Gated DeltaNet (linear_attention) layers")
+    if "mamba" in types and spec.ssm is None:
+        raise SpecError(f"config.json: layer_types has mamba layers, which the {spec.family} recipe does not implement "
+                        "(sparkq runs them as Granite 4.0-H Mamba-2 layers)")
+    if "conv" in types and spec.sconv is None:
+        raise SpecError(f"config.json: layer_types has conv layers, which the {spec.family} recipe does not implement "
+                        "(sparkq runs them as LFM2 gated short convolutions)")
     if "linear_attention" in types and spec.gdn is None:
         raise SpecError(f"config.json: layer_types has linear_attention layers, which the {spec.family} recipe does "
                         "not implement (sparkq runs them as Qwen3.5 / OLMo Hybrid Gated DeltaNet layers)")
@@ -51,6 +54,40 @@ def _check_implemented(cfg: dict, spec: ModelSpec) -> None:
                         "Gemma 4 26B-A4B) is not implemented; sparkq runs dense MLPs")
     if cfg.get("use_bidirectional_attention"):
         raise SpecError("config.json: use_bidirectional_attention=true (an encoder) is not implemented")
+
+
+def _lfm(cfg: dict) -> dict:
+    """LFM2 / LFM3 configs as spec.py reads them (Lfm2Config's legacy names: norm_eps, block_ff_dim,
+    tie_embedding, full_attn_idxs; the MLP width LFM2 derives from block_auto_adjust_ff_dim); a
+    legacy switch that changes the math is refused by name."""
+    out = dict(cfg)
+    for key, bad in (("block_use_swiglu", False), ("use_pos_enc", False), ("use_sandwich_norm", False)):
+        if key in cfg and cfg[key] is bad:
+            raise SpecError(f"config.json: {key}={str(bad).lower()} is not implemented")
+    for key in ("conv_dim", "conv_dim_out", "block_dim"):
+        if key in cfg and cfg[key] != cfg.get("hidden_size"):
+            raise SpecError(f"config.json: {key}={cfg[key]} differs from hidden_size; not implemented")
+    out.setdefault("rms_norm_eps", cfg.get("norm_eps", cfg.get("block_norm_eps", 1e-5)))
+    if "tie_embedding" in cfg:
+        out["tie_word_embeddings"] = bool(cfg["tie_embedding"])
+    out.setdefault("tie_word_embeddings", True)
+    inter = cfg.get("block_ff_dim", cfg.get("intermediate_size"))
+    if cfg.get("model_type", "lfm2") == "lfm2" and cfg.get("block_auto_adjust_ff_dim", True) and type(inter) is int:
+        inter = int(2 * inter / 3)  # Lfm2MLP's width
+        if cfg.get("block_ffn_dim_multiplier") is not None:
+            mult = int(cfg.get("block_multiple_of", 256))
+            inter = mult * ((int(float(cfg["block_ffn_dim_multiplier"]) * inter) + mult - 1) // mult)
+    out["intermediate_size"] = inter
+    if not cfg.get("layer_types") and isinstance(cfg.get("num_hidden_layers"), int):
+        idx = cfg.get("full_attn_idxs")
+        idx = range(cfg["num_hidden_layers"]) if idx is None else idx
+        out["layer_types"] = ["full_attention" if i in idx else "conv" for i in range(cfg["num_hidden_layers"])]
+    if cfg.get("use_attention_gate") is False:  # LFM3's per-head output gate off
+        out["headwise_attn_output_gate"] = False
+    return out
+
+
+CONFIG_VIEWS = {"lfm2": _lfm, "lfm3": _lfm}  # recipe family -> its config as spec.py reads it
 
 
 def _gate_width(cfg: dict, gate: str) -> int:

@@ -77,6 +77,89 @@ def gdn_shape(cfg: dict, norm_eps: float) -> GDNShape | None:
 
 
 @dataclass(frozen=True)
+class ConvShape:
+    """A gated short convolution's geometry (LFM2 / LFM3 conv layers): in_proj [3 E, E] gives B | C |
+    x, a depthwise causal conv of ``kernel`` taps over B * x, C times it, out_proj [E, E]."""
+    channels: int  # hidden_size
+    kernel: int    # conv_L_cache
+
+
+def conv_shape(cfg: dict) -> ConvShape | None:
+    """The short-conv geometry where the config has conv layers (None otherwise)."""
+    if "conv" not in (cfg.get("layer_types") or ()):
+        return None
+    k = cfg.get("conv_L_cache", 3)
+    if type(k) is not int or not 2 <= k <= 16:
+        raise SpecError(f"config.json: conv_L_cache {k!r} is out of range (2..16)")
+    if cfg.get("conv_bias"):
+        raise SpecError("config.json: conv_bias=true (biases on the short conv and its projections) is not implemented")
+    return ConvShape(channels=int(cfg["hidden_size"]), kernel=k)
+
+
+@dataclass(frozen=True)
+class SSMShape:
+    """A Mamba-2 layer's geometry: in_proj gives z [inner] | x [inner] | B [G N] | C [G N] | dt [H]; a
+    depthwise causal conv (with bias) and SiLU over x | B | C; per head h (group h // (H / G)) the state
+    S [P, N] decays by exp(-exp(A_log) dt) and takes dt x B^T, y = S C + D x; y * silu(z) RMS-normed per
+    group of inner / norm_groups; out_proj [E, inner]."""
+    heads: int       # mamba_n_heads H
+    head_dim: int    # mamba_d_head P
+    state: int       # mamba_d_state N
+    groups: int      # mamba_n_groups G (B and C per group)
+    conv_kernel: int
+    conv_bias: bool
+    norm_eps: float
+    norm_groups: int  # the gated norm's groups (Granite: n_groups)
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """channels of the conv: x | B | C"""
+        return self.inner + 2 * self.groups * self.state
+
+
+def ssm_shape(cfg: dict, eps: float) -> SSMShape | None:
+    """The Mamba-2 geometry where the config has mamba layers (None otherwise; the config's mamba_*
+    fields, transformers' GraniteMoeHybridConfig defaults)."""
+    if "mamba" not in (cfg.get("layer_types") or ()):
+        return None
+    hidden = int(cfg["hidden_size"])
+    heads, groups = cfg.get("mamba_n_heads", 128), cfg.get("mamba_n_groups", 1)
+    expand, d_head = cfg.get("mamba_expand", 2), cfg.get("mamba_d_head", "auto")
+    for k, v in (("mamba_n_heads", heads), ("mamba_n_groups", groups), ("mamba_expand", expand),
+                 ("mamba_d_state", cfg.get("mamba_d_state", 256)), ("mamba_d_conv", cfg.get("mamba_d_conv", 4))):
+        if type(v) is not int or v <= 0:
+            raise SpecError(f"config.json: {k} must be a positive integer, got {v!r}")
+    if d_head == "auto":
+        d_head = expand * hidden // heads
+    if type(d_head) is not int or d_head * heads != expand * hidden:
+        raise SpecError(f"config.json: mamba_d_head {d_head!r} x mamba_n_heads {heads} must be mamba_expand x hidden_size "
+                        f"({expand * hidden})")
+    if heads % groups:
+        raise SpecError(f"config.json: mamba_n_heads {heads} is not a multiple of mamba_n_groups {groups}")
+    lim = cfg.get("time_step_limit", (0.0, float("inf")))
+    # (transformers writes infinity as {"__float__": "Infinity"})
+    lim = lim if lim is None or not isinstance(lim, (list, tuple)) else [
+        float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v for v in lim]
+    if lim is not None and (not isinstance(lim, (list, tuple)) or len(lim) != 2 or float(lim[0]) != 0.0
+                            or float(lim[1]) != float("inf")):
+        raise SpecError(f"config.json: time_step_limit {lim!r} (clamped time steps) is not implemented; sparkq runs (0, inf)")
+    if cfg.get("mamba_proj_bias"):
+        raise SpecError("config.json: mamba_proj_bias=true (biases on the Mamba projections) is not implemented")
+    g = SSMShape(heads=heads, head_dim=d_head, state=int(cfg.get("mamba_d_state", 256)), groups=groups,
+                 conv_kernel=int(cfg.get("mamba_d_conv", 4)), conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+                 norm_eps=float(eps or cfg.get("rms_norm_eps", 1e-6)), norm_groups=groups)
+    if not 2 <= g.conv_kernel <= 16:
+        raise SpecError(f"config.json: mamba_d_conv {g.conv_kernel} is out of range (2..16)")
+    if g.state % 8 or g.head_dim % 8:
+        raise SpecError(f"config.json: mamba_d_state {g.state} and mamba_d_head {g.head_dim} must be multiples of 8")
+    return g
+
+
+@dataclass(frozen=True)
 class Mixer:
     name: str
     layer_types: tuple[str, ...]  # config layer_types values that select it
@@ -88,6 +171,7 @@ class Mixer:
     # (spec) -> {state: shape}: fp32 per sequence, updated in place by every token (attention's
     # state is its KV cache, allocated by the runtimes by position: none here)
     state: Callable[["ModelSpec"], dict[str, tuple[int, ...]]]
+    math: str = ""  # its runtime/torchrt/layers.py Layers method (a recurrent mixer's: products and state in, out)
 
 
 def _attn_linears(s: "ModelSpec", i: int | None) -> dict:
@@ -117,11 +201,41 @@ def _gdn_state(s: "ModelSpec") -> dict:
     return {"conv": (g.conv_dim, g.conv_kernel - 1), "recurrent": (g.v_heads, g.k_dim, g.v_dim)}
 
 
+def _mixer_norms(s: "ModelSpec", i: int | None) -> tuple[str, ...]:
+    """a recurrent mixer's layer norms: before the mixer and the MLP, the sandwich's after (LFM3)"""
+    return C.LAYER_NORMS + (("post_attn_norm", "post_mlp_norm") if s.sandwich_norms else ())
+
+
+def _sconv_linears(s: "ModelSpec", i: int | None = None) -> dict:
+    e = s.sconv.channels
+    return {C.ROLE_QKV: (3 * e, s.hidden), C.ROLE_O: (s.hidden, e)}  # qkv: in_proj's B | C | x
+
+
+def _mamba_linears(s: "ModelSpec", i: int | None = None) -> dict:
+    g = s.ssm
+    # gate: z (the norm's gate, inner rows) | dt (heads); qkv: x | B | C (the conv's input)
+    return {C.ROLE_GATE: (g.inner + g.heads, s.hidden), C.ROLE_QKV: (g.conv_dim, s.hidden), C.ROLE_O: (s.hidden, g.inner)}
+
+
+def _mamba_params(s: "ModelSpec") -> dict:
+    g = s.ssm
+    out = {C.GDN_CONV: (g.conv_dim, g.conv_kernel)}
+    if g.conv_bias:
+        out[C.CONV_BIAS] = (g.conv_dim,)
+    return {**out, C.GDN_A_LOG: (g.heads,), C.GDN_DT_BIAS: (g.heads,), C.SSM_D: (g.heads,), C.GDN_NORM: (g.inner,)}
+
+
 MIXERS: dict[str, Mixer] = {
     C.MIXER_ATTENTION: Mixer(C.MIXER_ATTENTION, ("full_attention", "sliding_attention"), 0, _attn_linears,
                              lambda s, i: s.layer_norms(i), lambda s: {}, lambda s: {}),
     C.MIXER_GDN: Mixer(C.MIXER_GDN, ("linear_attention",), 1, _gdn_linears,
-                       lambda s, i: C.LAYER_NORMS, _gdn_params, _gdn_state),
+                       lambda s, i: C.LAYER_NORMS, _gdn_params, _gdn_state, "gdn"),
+    C.MIXER_SCONV: Mixer(C.MIXER_SCONV, ("conv",), 2, _sconv_linears, _mixer_norms,
+                         lambda s: {C.GDN_CONV: (s.sconv.channels, s.sconv.kernel)},
+                         lambda s: {"conv": (s.sconv.channels, s.sconv.kernel - 1)}, "sconv"),
+    C.MIXER_MAMBA: Mixer(C.MIXER_MAMBA, ("mamba",), 3, _mamba_linears, _mixer_norms, _mamba_params,
+                         lambda s: {"conv": (s.ssm.conv_dim, s.ssm.conv_kernel - 1),
+                                    "recurrent": (s.ssm.heads, s.ssm.head_dim, s.ssm.state)}, "mamba"),
 }
 BY_LAYER_TYPE = {t: m for m in MIXERS.values() for t in m.layer_types}
 
@@ -133,6 +247,16 @@ def mixer_state(spec: "ModelSpec", slots: int, alloc: Callable) -> list[dict | N
         st = MIXERS[spec.mixers[i]].state(spec)
         out.append({n: alloc((slots, *shp)) for n, shp in st.items()} if st else None)
     return out
+
+
+def recurrent_widths(spec: "ModelSpec") -> tuple[int, int]:
+    """(qkv rows, gate rows) of the model's recurrent layers (one kind per model): what a rewind keeps
+    per row of each (runtime/core/rewind.py); (0, 0) without such layers."""
+    for i, name in enumerate(spec.mixers):
+        if MIXERS[name].state(spec):
+            lin = MIXERS[name].linears(spec, i)
+            return lin[C.ROLE_QKV][0], lin[C.ROLE_GATE][0] if C.ROLE_GATE in lin else 0
+    return 0, 0
 
 
 def state_bytes(spec: "ModelSpec") -> int:

@@ -143,6 +143,8 @@ FEATURES = {
     "attn_gate": "none",
     "linear_attention": False,  # Gated DeltaNet layers (layer type linear_attention; formats/mixers.py)
     "gdn_norm_eps": 0.0,      # the Gated DeltaNet output norm's eps (0: rms_norm_eps; OLMo Hybrid fixes 1e-5)
+    "short_conv": False,      # gated short convolutions (layer type conv: LFM2 / LFM3; formats/mixers.py)
+    "mamba": False,           # Mamba-2 layers (layer type mamba, or linear_attention in GraniteMoeHybrid configs)
     "rope_optional": False,   # rope_theta: null means no RoPE (OLMo Hybrid 7B), not the default theta
     "mtp_layers": 0,          # multi-token-prediction layers the artifact holds (the converter sets it: [mtp])
     "v_norm": False,          # values RMS-normed per head without a weight (Gemma 4)

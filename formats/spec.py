@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass, field, replace
 
 from . import constants as C
-from .mixers import BY_LAYER_TYPE, MIXERS, GDNShape, gdn_shape
+from .mixers import BY_LAYER_TYPE, MIXERS, ConvShape, GDNShape, SSMShape, conv_shape, gdn_shape, ssm_shape
 from .recipe import FEATURES, Recipe, SpecError  # noqa: F401  (SpecError: re-exported)
-from .fields import ACTS, MOE_FIELDS, _check_implemented, _gate_width, _layer_types, _multiplier, _nope_layers  # noqa: F401
+from .fields import ACTS, CONFIG_VIEWS, MOE_FIELDS, _check_implemented, _gate_width, _layer_types, _multiplier, _nope_layers  # noqa: F401
 from .geometry import head_dims, kv_sources, mlp_widths, per_layer_input
 from .rope import flat_rope, rope_by_type, rope_scaling_by_type
 
@@ -54,6 +54,8 @@ class ModelSpec:
     # rows): 0 none, 1 one scalar per head (Spark2_5), head_dim one per channel (Qwen3-Next style)
     attn_gate: int = 0
     gdn: GDNShape | None = None  # the Gated DeltaNet layers' geometry (layer type linear_attention)
+    sconv: ConvShape | None = None  # the gated short convolutions' (layer type conv: LFM2)
+    ssm: SSMShape | None = None  # the Mamba-2 layers' (layer type mamba: Granite 4.0-H)
     mtp_layers: int = 0  # the multi-token-prediction block's attention layers in the artifact (constants.py)
     # per-layer geometry (formats/geometry.py; empty: the model's everywhere): each layer's head dim, the
     # layer whose KV cache it reads (a KV-sharing layer has no k / v rows), its MLP width
@@ -124,7 +126,7 @@ class ModelSpec:
 
     def vector_dtype(self, name: str) -> str:
         """The artifact dtype of a vector_shapes() tensor: fp32 for a mixer's parameters, else bf16."""
-        return C.DTYPE_F32 if name.split(".", 2)[-1] in C.GDN_PARAMS and name.startswith("layers.") else C.DTYPE_BF16
+        return C.DTYPE_F32 if name.split(".", 2)[-1] in C.MIXER_PARAMS and name.startswith("layers.") else C.DTYPE_BF16
 
     @property
     def embed_mult(self) -> float | None:
@@ -178,10 +180,16 @@ class ModelSpec:
                     act: str = "silu", pre_norms: bool = True, qk_norm_full: bool = False,
                     attn_gate: str = "none", linear_attention: bool = False, gdn_norm_eps: float = 0.0,
                     rope_optional: bool = False, mtp_layers: int = 0, v_norm: bool = False,
-                    layer_scalar: bool = False, attn_scale: float = 0.0) -> "ModelSpec":
+                    layer_scalar: bool = False, attn_scale: float = 0.0, short_conv: bool = False,
+                    mamba: bool = False) -> "ModelSpec":
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
+        cfg = CONFIG_VIEWS[family](cfg) if family in CONFIG_VIEWS else cfg  # (LFM2's legacy names)
+        if mamba and isinstance(cfg.get("layer_types") or cfg.get("layers_block_type"), list):
+            # GraniteMoeHybrid: its mamba layers ("linear_attention" as transformers 5 saves them)
+            cfg = {**cfg, "layer_types": ["mamba" if t in ("mamba", "linear_attention") else t
+                                          for t in cfg.get("layer_types") or cfg["layers_block_type"]]}
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -225,6 +233,8 @@ class ModelSpec:
                 if cfg.get("original_max_position_embeddings") else None,
                 attn_gate=_gate_width(cfg, attn_gate),
                 gdn=gdn_shape(cfg, gdn_norm_eps) if linear_attention else None,
+                sconv=conv_shape(cfg) if short_conv else None,
+                ssm=ssm_shape(cfg, 0.0) if mamba else None,
                 mtp_layers=int(mtp_layers),
                 v_norm=v_norm,
                 layer_scalar=layer_scalar,
@@ -253,7 +263,8 @@ class ModelSpec:
         if not (spec.rms_eps > 0 and spec.rope_theta > 0):
             raise SpecError("config.json: rms_norm_eps and rope_theta must be positive")
         _check_implemented(cfg, spec)
-        known = {"full_attention", "sliding_attention"} | ({"linear_attention"} if spec.gdn else set())
+        known = {"full_attention", "sliding_attention"} | ({"linear_attention"} if spec.gdn else set()) | (
+            {"conv"} if spec.sconv else set()) | ({"mamba"} if spec.ssm else set())
         if spec.layer_types and (len(spec.layer_types) != spec.layers or set(spec.layer_types) - known):
             raise SpecError(f"config.json: layer_types must list {'/'.join(sorted(known))} for every layer")
         if "sliding_attention" in spec.layer_types and not spec.sliding_window:
@@ -324,6 +335,11 @@ class ModelSpec:
                 return [g.key_dim, g.key_dim, g.value_dim]
             if role == C.ROLE_GATE:
                 return [g.value_dim, g.v_heads, g.v_heads]
+        if mixer == C.MIXER_MAMBA and role in (C.ROLE_QKV, C.ROLE_GATE):
+            g = self.ssm
+            return [g.conv_dim] if role == C.ROLE_QKV else [g.inner, g.heads]
+        if mixer == C.MIXER_SCONV and role == C.ROLE_QKV:
+            return [3 * self.sconv.channels]
         i = int(name.split(".")[1]) if name.startswith("layers.") else None
         if role == C.ROLE_QKV:
             d = self.hd(i)

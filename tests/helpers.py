@@ -239,6 +239,21 @@ def prompt_then_steps(m, seq, n):
     return torch.cat(steps + [m.model.forward(torch.tensor(seq[i:i + 1]), i) for i in range(n, len(seq))])
 
 
+def assert_near_transformers(src, seq, ref32, ref16, tag, n: int = 150):
+    """(a recurrent hybrid's bf16 checkpoint on the torch runtime, C decode) the logits of seq, the
+    first n through the prompt path: within bf16's own error of transformers fp32 (the recurrent state
+    carries it over the positions), and argmax agreement no worse than transformers bf16's"""
+    from sparkq.runtime import load
+    from sparkq.runtime.core import compiler
+    m = load(str(src), max_model_len=256, kv_dtype="bf16")
+    assert m.info.extra["decode_path"].startswith("c (" if compiler() else "torch ("), m.info.extra
+    ours = prompt_then_steps(m, seq, n)
+    ours_err, hf_err = (ours - ref32).abs().max(), (ref16 - ref32).abs().max()
+    assert ours_err <= 1.5 * hf_err + 0.01 * ref32.abs().max(), (tag, ours_err, hf_err)
+    agree = lambda a: (a.argmax(-1) == ref32.argmax(-1)).float().mean()  # noqa: E731
+    assert agree(ours) >= agree(ref16) - 0.05, (tag, agree(ours), agree(ref16))
+
+
 def against_dequantized(q, seq: list[int], n: int = 64, prompt: int = 40):
     """(a loaded artifact, the torch runtime) its logits of seq[:n] (all through the prompt path, and
     the first ``prompt`` through it then decode steps) with the fp32 and bf16 logits of its own

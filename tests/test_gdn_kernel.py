@@ -1,6 +1,6 @@
 """The C core's Gated DeltaNet layer mixer (runtime/core/csrc/gdn.c) on every build this CPU runs.
 
-sq_gdn_mix (T tokens of one sequence from their qkv and z | b | a products) against a float64 numpy
+sq_mix (T tokens of one sequence from their qkv and z | b | a products) against a float64 numpy
 reference of /work/notes/gdn-spec.md §3 (`gdn_ref`, with the states carried in and out); T tokens in
 one call against T calls of one token (the same bits, outputs and states); thread counts 1, 2, 3 (the
 same bits); two slots (separate states). Then tiny models built directly as C structs (bf16 linears,
@@ -104,7 +104,7 @@ class Gdn:
 
     def mix(self, lib, qkv, zba, slot=0):
         out = np.full((qkv.shape[0], self.Vd), np.nan, np.float32)
-        rc = lib.sq_gdn_mix(ctypes.byref(self.m), ctypes.byref(self.L), slot * SLOT, qkv.ctypes.data, zba.ctypes.data,
+        rc = lib.sq_mix(ctypes.byref(self.m), ctypes.byref(self.L), slot * SLOT, qkv.ctypes.data, zba.ctypes.data,
                             qkv.shape[0], out.ctypes.data)
         assert rc == 0
         return out
@@ -191,20 +191,20 @@ def test_gdn_mix_slots_keep_separate_states(build):
         assert np.array_equal(two.conv[s], alone[s].conv[0]) and np.array_equal(two.rec[s], alone[s].rec[0])
     attn = K_.SqLayer()
     out = np.empty(two.Vd, np.float32)
-    assert lib.sq_gdn_mix(ctypes.byref(two.m), ctypes.byref(attn), 0, ins[0][0].ctypes.data, ins[0][1].ctypes.data, 1,
+    assert lib.sq_mix(ctypes.byref(two.m), ctypes.byref(attn), 0, ins[0][0].ctypes.data, ins[0][1].ctypes.data, 1,
                           out.ctypes.data) == -2
 
 
 def test_shapes_gdn_layers_cannot_run_are_refused():
     """Value heads not a multiple of key heads, or a conv kernel past 16: no workspace, no prompt, no
-    mix (sq_work_new NULL, sq_prefill and sq_gdn_mix -2)"""
+    mix (sq_work_new NULL, sq_prefill and sq_mix -2)"""
     lib = _lib(K_.host_builds()[0])
     for bad in ({"Hk": 2, "Hv": 3}, {"K": 17}):
         g = Gdn(**{**SHAPES["gqa"], **bad})
         g.m.hidden, g.m.inter, g.m.vocab = 64, 64, 8
         qkv, zba = g.inputs(1, seed=0)
         out = np.empty(g.Vd, np.float32)
-        assert lib.sq_gdn_mix(ctypes.byref(g.m), ctypes.byref(g.L), 0, qkv.ctypes.data, zba.ctypes.data, 1,
+        assert lib.sq_mix(ctypes.byref(g.m), ctypes.byref(g.L), 0, qkv.ctypes.data, zba.ctypes.data, 1,
                               out.ctypes.data) == -2
         assert not lib.sq_work_new(ctypes.byref(g.m))
         toks = np.zeros(1, np.int64)
@@ -216,7 +216,7 @@ def test_mixer_codes_are_exported_and_checked():
 
     lib = _lib(K_.host_builds()[0])
     desc = lib.sq_abi_desc().decode()
-    assert abi.mixer_codes(desc) == abi.MIXERS == {"attention": 0, "gdn": 1}
+    assert abi.mixer_codes(desc) == abi.MIXERS == {"attention": 0, "gdn": 1, "sconv": 2, "mamba2": 3}
 
     class Swapped:
         def sq_abi(self):

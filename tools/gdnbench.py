@@ -1,4 +1,4 @@
-"""The Gated DeltaNet mixer's own time (csrc/gdn.c ``sq_gdn_mix``: conv, delta-rule state, gated
+"""The Gated DeltaNet mixer's own time (csrc/gdn.c ``sq_mix``: conv, delta-rule state, gated
 norm; the products around it excluded) per layer, for one decode token and for a prompt chunk, at a
 model shape's DeltaNet geometry, on each build (docs/performance.md "Hybrid models").
 
@@ -48,8 +48,8 @@ def timed(lib, m, L, g, t, reps):
     runs = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        if lib.sq_gdn_mix(ctypes.byref(m), ctypes.byref(L), 0, qkv.ctypes.data, zba.ctypes.data, t, out.ctypes.data):
-            raise SystemExit("sq_gdn_mix failed")
+        if lib.sq_mix(ctypes.byref(m), ctypes.byref(L), 0, qkv.ctypes.data, zba.ctypes.data, t, out.ctypes.data):
+            raise SystemExit("sq_mix failed")
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs)
 

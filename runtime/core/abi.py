@@ -14,7 +14,7 @@ from sparkq.formats.mixers import MIXERS as FORMAT_MIXERS
 
 from .builds import KernelUnavailable
 
-ABI = 17
+ABI = 18
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -29,7 +29,7 @@ class SqLayer(ctypes.Structure):
                           "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I), ("gate", SqLinear)] + [
         ("mixer", _I)] + [(n, _P) for n in ("conv_w", "a_log", "dt_bias", "gnorm", "conv_state", "rec_state")] + [
         ("head_dim", _I), ("kv_shared", _I), ("scalar", _D), ("ple_gate", SqLinear), ("ple_proj", SqLinear),
-        ("ple_norm", _P)]
+        ("ple_norm", _P), ("conv_b", _P), ("ssm_d", _P)]
 
 
 class SqModel(ctypes.Structure):
@@ -39,7 +39,8 @@ class SqModel(ctypes.Structure):
         ("layer", ctypes.POINTER(SqLayer)), ("head", SqLinear), ("embed", SqLinear), ("final_norm", _P)] + [
         (n, _I) for n in ("lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim", "conv_k")] + [
         (n, _D) for n in ("beta_scale", "gnorm_eps")] + [("fc", SqLinear), ("fc_enorm", _P), ("fc_hnorm", _P)] + [
-        ("v_norm", _I), ("ple_dim", _I), ("ple_embed", SqLinear), ("ple_model", SqLinear), ("ple_in_norm", _P)]
+        ("v_norm", _I), ("ple_dim", _I), ("ple_embed", SqLinear), ("ple_model", SqLinear), ("ple_in_norm", _P)] + [
+        (n, _I) for n in ("sc_dim", "ssm_heads", "ssm_head_dim", "ssm_state", "ssm_groups", "ssm_norm_groups")]
 
 
 # sq_layer.mixer codes by mixer name (formats/mixers.py MIXERS; csrc/sq_abi.h MIXER_*), checked
@@ -87,7 +88,7 @@ _SIGNATURES = {  # name -> (restype, argtypes)
     "sq_clip_search": (ctypes.c_int, [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]),
     "sq_gram_bf16": (ctypes.c_int, [_P, _I, _I, _P]),
     "sq_glu": (ctypes.c_int, [_I, _P, _I, _P]),
-    "sq_gdn_mix": (ctypes.c_int, [_PTR(SqModel), _PTR(SqLayer), _I, _P, _P, _I, _P]),
+    "sq_mix": (ctypes.c_int, [_PTR(SqModel), _PTR(SqLayer), _I, _P, _P, _I, _P]),
 }
 
 

@@ -1,13 +1,15 @@
 """Cutting a checked run back (runtime/speculate.py): the batched step's rows of one sequence at
 consecutive positions, of which the first n stand. Attention needs nothing (positions past the kept
 rows are written again before they are read); a hybrid model's recurrent state is restored from a
-copy taken before the step and advanced over the kept rows' saved inputs (sq_gdn_mix: the bits of n
+copy taken before the step and advanced over the kept rows' saved inputs (sq_mix: the bits of n
 single steps). A mixin of core.Session."""
 from __future__ import annotations
 
 import ctypes
 
 import numpy as np
+
+from sparkq.formats.mixers import recurrent_widths
 
 
 class Rewind:
@@ -18,9 +20,9 @@ class Rewind:
         if not runs:
             self.lib.sq_batch_keep(self.batch, None, None)
             return
-        g, n = self.spec.gdn, len(self.gdn_layers)
-        kq = np.empty((n, M, 2 * g.k_heads * g.k_dim + g.v_heads * g.v_dim), np.float32)
-        kz = np.empty((n, M, g.v_heads * (g.v_dim + 2)), np.float32)
+        (wq, wz), n = recurrent_widths(self.spec), len(self.gdn_layers)
+        kq = np.empty((n, M, wq), np.float32)
+        kz = np.empty((n, M, max(wz, 1)), np.float32)
         for a, T in runs:
             slot = int(off[a]) // self._slot_elems()
             saved = self._copies.get(slot)  # one buffer set per slot, reused (a Qwen3.5-0.8B slot's is 19 MiB)
@@ -49,14 +51,14 @@ class Rewind:
         if n == T:
             return
         slot = kvoff // self._slot_elems()
-        out = np.empty((n, self.spec.gdn.v_heads * self.spec.gdn.v_dim), np.float32)
+        out = np.empty((n, self.layers[self.gdn_layers[0]].o.k), np.float32)  # (o's input)
         for j, (li, st, copy) in enumerate(zip(self.gdn_layers, self._states, saved)):
             for x, c in zip(st, copy):
                 x[slot] = c
             q, z = np.ascontiguousarray(kq[j, a:a + n]), np.ascontiguousarray(kz[j, a:a + n])
-            if self.lib.sq_gdn_mix(ctypes.byref(self.m), ctypes.byref(self.layers[li]), int(kvoff), q.ctypes.data,
+            if self.lib.sq_mix(ctypes.byref(self.m), ctypes.byref(self.layers[li]), int(kvoff), q.ctypes.data,
                                    z.ctypes.data, n, out.ctypes.data):
-                raise MemoryError("sq_gdn_mix: out of memory")
+                raise MemoryError("sq_mix: out of memory")
 
 
 def _runs(pos: np.ndarray, off: np.ndarray) -> tuple[list[int], list[int]]:

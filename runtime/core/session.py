@@ -89,6 +89,25 @@ def linear_struct(lib, lin: CLinear) -> abi.SqLinear:
                         ptr(lin.res), ptr(lin.rsc), ptr(lin.lut), ptr(lin.rmap))
 
 
+def _recurrent_layer(lib, L, spec, i: int, linears: dict, vectors: dict, states) -> None:
+    """Layer i's recurrent mixer fields (csrc/sq_abi.h): its gate linear where it has one, its fp32
+    parameters (formats/mixers.py names; absent: NULL) and its states' buffers."""
+    gate = linears.get(f"layers.{i}.{C.ROLE_GATE}")
+    if gate is not None:
+        L.gate = linear_struct(lib, gate)
+    params = spec.params(i)
+    for field, name in (("conv_w", C.GDN_CONV), ("conv_b", C.CONV_BIAS), ("a_log", C.GDN_A_LOG),
+                        ("dt_bias", C.GDN_DT_BIAS), ("gnorm", C.GDN_NORM), ("ssm_d", C.SSM_D)):
+        if name in params:
+            setattr(L, field, ptr(_f32(vectors[f"layers.{i}.{name}"])))
+    if states is None or states[i] is None:
+        raise ValueError(f"layer {i} is a {spec.mixers[i]} layer: Session needs its states")
+    bufs = tuple(ptr(_f32(b)) for b in states[i])
+    L.conv_state = bufs[0]
+    if len(bufs) > 1:
+        L.rec_state = bufs[1]
+
+
 class Session(Rewind):
     """The C core over one model's buffers.
 
@@ -119,20 +138,15 @@ class Session(Rewind):
         for i in range(spec.layers):
             L = layers[i]
             qkv = linears[f"layers.{i}.qkv"]
-            if spec.qkv_bias and mixers[i] != C.MIXER_GDN:
+            if spec.qkv_bias and mixers[i] == C.MIXER_ATTENTION:
                 qkv = CLinear(**{**qkv.__dict__, "bias": vectors[f"layers.{i}.qkv.bias"]})
             L.qkv = linear_struct(lib, qkv)
             L.o, L.gate_up, L.down = (linear_struct(lib, linears[f"layers.{i}.{p}"]) for p in ("o", "gate_up", "down"))
             for f in abi.LAYER_NORMS:
                 setattr(L, f, ptr(vectors.get(f"layers.{i}.{f}.weight")))
             L.mixer = abi.MIXERS[mixers[i]]
-            if mixers[i] == C.MIXER_GDN:  # its gate linear is z | b | a; no rope, no KV cache
-                L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
-                L.conv_w, L.a_log, L.dt_bias, L.gnorm = (
-                    ptr(_f32(vectors[f"layers.{i}.{n}"])) for n in C.GDN_PARAMS)
-                if states is None or states[i] is None:
-                    raise ValueError(f"layer {i} is a Gated DeltaNet layer: Session needs its states (conv, recurrent)")
-                L.conv_state, L.rec_state = (ptr(_f32(b)) for b in states[i])
+            if mixers[i] != C.MIXER_ATTENTION:  # a recurrent mixer (formats/mixers.py): no rope, no KV cache
+                _recurrent_layer(lib, L, spec, i, linears, vectors, states)
                 continue
             if spec.attn_gate:
                 L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
@@ -172,6 +186,12 @@ class Session(Rewind):
         if gdn is not None:  # the Gated DeltaNet layers' shape (csrc/gdn.c)
             m.lin_k_heads, m.lin_v_heads, m.lin_k_dim, m.lin_v_dim = gdn.k_heads, gdn.v_heads, gdn.k_dim, gdn.v_dim
             m.conv_k, m.beta_scale, m.gnorm_eps = gdn.conv_kernel, float(gdn.beta_scale), float(gdn.norm_eps)
+        if getattr(spec, "sconv", None) is not None:  # the short convolutions' (csrc/ssm.c)
+            m.sc_dim, m.conv_k = spec.sconv.channels, spec.sconv.kernel
+        if getattr(spec, "ssm", None) is not None:  # the Mamba-2 layers' (csrc/ssm.c)
+            g = spec.ssm
+            m.ssm_heads, m.ssm_head_dim, m.ssm_state, m.ssm_groups = g.heads, g.head_dim, g.state, g.groups
+            m.ssm_norm_groups, m.conv_k, m.gnorm_eps = g.norm_groups, g.conv_kernel, float(g.norm_eps)
         self.layers = layers
         m.layer = ctypes.cast(layers, ctypes.POINTER(abi.SqLayer))
         m.head, m.embed = linear_struct(lib, head), linear_struct(lib, linears.get(C.ROLE_EMBED, head))
@@ -186,7 +206,7 @@ class Session(Rewind):
         self.batch, self.batch_rows = None, 0  # step_many's workspace (reserve_batch)
         # the GDN layers and their states as numpy [slots, ...] (a rewind's copies), the last
         # step_many's saved runs (rewind)
-        self.gdn_layers = [i for i in range(spec.layers) if mixers[i] == C.MIXER_GDN]
+        self.gdn_layers = [i for i in range(spec.layers) if mixers[i] != C.MIXER_ATTENTION]  # (any recurrent mixer's)
         self._states = [tuple(_np(b) for b in states[i]) for i in self.gdn_layers]
         self._pending: dict = {}
         self._copies: dict = {}  # slot -> its states' copies before a run (rewind)

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from sparkq.formats import constants as C
+from sparkq.formats.mixers import MIXERS
 from sparkq.formats.rope import rope_attention_factor, rope_inv_freq
 from sparkq.formats.spec import ModelSpec
 
@@ -154,6 +155,67 @@ class Layers:
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + g.norm_eps)
         o = o * self.vec(f"layers.{i}.{C.GDN_NORM}").float() * F.silu(z.reshape(b_, t_, g.v_heads, g.v_dim))
         return o.reshape(b_, t_, g.value_dim).to(qkv.dtype), new_conv, s
+
+    def conv(self, i: int, u: torch.Tensor, state: torch.Tensor | None, k_: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's depthwise causal conv (weight [C, K], its bias where the layer has one), fp32,
+        the taps summed oldest first as the C core sums them: u [B, T, C], the last K - 1 inputs before
+        (state [B, C, K - 1] or None: zeros) -> (conv [B, T, C], the state after)."""
+        b_, t_, c_ = u.shape
+        w = self.vec(f"layers.{i}.{C.GDN_CONV}").float()
+        prev = torch.zeros(b_, k_ - 1, c_) if state is None else state.transpose(1, 2).float()
+        xs = torch.cat([prev, u.float()], 1)  # [B, K - 1 + T, C]
+        c = xs[:, 0:t_] * w[:, 0]
+        if self.spec.ssm is not None and self.spec.ssm.conv_bias:
+            c = self.vec(f"layers.{i}.{C.CONV_BIAS}").float() + c
+        for j in range(1, k_):
+            c = c + xs[:, j:j + t_] * w[:, j]
+        return c, xs[:, t_:].transpose(1, 2).contiguous()
+
+    def sconv(self, i: int, bcx: torch.Tensor, g: None = None, conv: torch.Tensor | None = None):
+        """A gated short convolution (LFM2) between its products: bcx [B, T, 3 E] (in_proj: B | C | x),
+        the conv state before -> (C * conv(B * x) [B, T, E] in bcx's dtype, the conv state after)."""
+        b, c, x = bcx.float().chunk(3, -1)
+        y, st = self.conv(i, b * x, conv, self.spec.sconv.kernel)
+        return (c * y).to(bcx.dtype), st
+
+    def mamba(self, i: int, xbc: torch.Tensor, zdt: torch.Tensor, conv: torch.Tensor | None = None,
+              rec: torch.Tensor | None = None):
+        """A Mamba-2 layer between its products, fp32, token by token (what the C core does): xbc [B,
+        T, conv_dim] (in_proj's x | B | C), zdt [B, T, inner + heads] (z | dt), the states before
+        (conv [B, conv_dim, K - 1], rec [B, H, P, N]; None: zeros) -> (the gated-normed output [B, T,
+        inner] in xbc's dtype, the conv state after, the recurrent state after)."""
+        g = self.spec.ssm
+        b_, t_, _ = xbc.shape
+        c, new_conv = self.conv(i, xbc, conv, g.conv_kernel)
+        c = F.silu(c)
+        x, bb, cc = c.split([g.inner, g.groups * g.state, g.groups * g.state], -1)
+        r = g.heads // g.groups
+        x = x.reshape(b_, t_, g.heads, g.head_dim)
+        bb = bb.reshape(b_, t_, g.groups, g.state).repeat_interleave(r, 2)  # [B, T, H, N]
+        cc = cc.reshape(b_, t_, g.groups, g.state).repeat_interleave(r, 2)
+        z, dt = zdt.float().split([g.inner, g.heads], -1)
+        dt = F.softplus(dt + self.vec(f"layers.{i}.{C.GDN_DT_BIAS}").float())  # [B, T, H]
+        a = -torch.exp(self.vec(f"layers.{i}.{C.GDN_A_LOG}").float())
+        d = self.vec(f"layers.{i}.{C.SSM_D}").float()
+        s = torch.zeros(b_, g.heads, g.head_dim, g.state) if rec is None else rec.float().clone()
+        y = torch.empty(b_, t_, g.heads, g.head_dim)
+        for t in range(t_):  # decay, take dt x B^T, read with C, the D skip
+            s = s * torch.exp(dt[:, t] * a)[..., None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * bb[:, t, :, None, :]
+            y[:, t] = torch.einsum("bhpn,bhn->bhp", s, cc[:, t]) + d[:, None] * x[:, t]
+        y = y.reshape(b_, t_, g.norm_groups, -1) * F.silu(z).reshape(b_, t_, g.norm_groups, -1)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + g.norm_eps)
+        y = y.reshape(b_, t_, g.inner) * self.vec(f"layers.{i}.{C.GDN_NORM}").float()
+        return y.to(xbc.dtype), new_conv, s
+
+    def recurrent(self, i: int, qkv: torch.Tensor, g: torch.Tensor | None, state: dict | None) -> tuple:
+        """Layer i's recurrent mixer (formats/mixers.py Mixer.math) between its products: qkv [B, T,
+        rows], the gate product g (or None), the state before ({name: [B, ...]}, the mixer's state
+        names, or None: empty) -> (the output [B, T, o's input], {name: the state after})."""
+        mixer = MIXERS[self.spec.mixers[i]]
+        names = tuple(mixer.state(self.spec))
+        before = [None] * len(names) if state is None else [state[n] for n in names]
+        out = getattr(self, mixer.math)(i, qkv, g, *before)
+        return out[0], dict(zip(names, out[1:]))
 
     def qkv_heads(self, qkv: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The qkv product [..., T, q_dim + 2 kv_dim] -> q [..., T, heads, D], k and v [..., T, kv_heads,

@@ -167,15 +167,16 @@ class Model:
             o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale).transpose(0, 1).reshape(t, -1)
         return self.lin[f"layers.{i}.o"](self.layers.gate(o, g))
 
-    def _gdn(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
+    def _recurrent(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
+        """a recurrent mixer (formats/mixers.py) over the sequence's state, emptied at position 0"""
         st = self.state[i]
         if pos0 == 0:
             for t in st.values():
                 t.zero_()
-        zba = self.lin[f"layers.{i}.{C.ROLE_GATE}"](x)
-        o, conv, rec = self.layers.gdn(i, self.lin[f"layers.{i}.qkv"](x)[None], zba[None], st["conv"], st["recurrent"])
-        st["conv"].copy_(conv)
-        st["recurrent"].copy_(rec)
+        gate = self.lin.get(f"layers.{i}.{C.ROLE_GATE}")
+        o, after = self.layers.recurrent(i, self.lin[f"layers.{i}.qkv"](x)[None], None if gate is None else gate(x)[None], st)
+        for n, t in after.items():
+            st[n].copy_(t)
         return self.lin[f"layers.{i}.o"](o[0])
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -213,7 +214,7 @@ class Model:
         lay = self.layers
         ple = lay.ple_inputs(self.lin[C.ROLE_PLE_EMBED].embed(ids), self.lin[C.ROLE_PLE_MODEL](x)) if s.ple_dim else None
         for i in range(s.layers):
-            mix = self._gdn if s.mixers[i] == C.MIXER_GDN else self._attention
+            mix = self._attention if s.mixers[i] == C.MIXER_ATTENTION else self._recurrent
             x = lay.residual(x, mix(i, lay.attn_in(x, i), pos0), i, C.ROLE_O)
             x = lay.residual(x, self._mlp(i, lay.mlp_in(x, i)), i, C.ROLE_DOWN)
             if ple is not None or s.layer_scalar:

@@ -183,7 +183,9 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                     prep(&L->qkv, xn + t * maxk, &a[t]);
                 }
                 const int gdn = L->mixer == MIXER_GDN;
-                products_many(&L->qkv, a, M, qkv, gdn ? gc : nqkv);
+                int64_t lq = nqkv, ng, no; /* its rows' widths */
+                if (L->mixer != MIXER_ATTN) mix_widths(m, L, &lq, &ng, &no);
+                products_many(&L->qkv, a, M, qkv, lq);
                 if (L->gate.q) { /* the output gate's products (a GDN layer's z | b | a), from the same normed inputs */
 #pragma omp for schedule(static)
                     for (int64_t t = 0; t < M; t++) prep(&L->gate, xn + t * maxk, &a[t]);
@@ -218,6 +220,18 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                     for (int64_t it = 0; it < M * Hv; it++) gdn_norm(m, L, it % Hv, b->g + it / Hv * gnz, att + it / Hv * gvd);
 #pragma omp for schedule(static)
                     for (int64_t t = 0; t < M; t++) prep(&L->o, att + t * gvd, &a[t]);
+                } else if (L->mixer != MIXER_ATTN) { /* a short conv or Mamba-2 layer: each run on its slot (ssm.c) */
+                    if (keep_qkv) {
+#pragma omp single
+                        {
+                            memcpy(keep_qkv + gi * M * lq, qkv, sizeof(float) * (size_t)(M * lq));
+                            if (ng) memcpy(keep_zba + gi * M * ng, b->g, sizeof(float) * (size_t)(M * ng));
+                        }
+                    }
+                    mix_runs(m, L, R, b->run0, b->runT, kvoff, qkv, b->g, att);
+                    gi++;
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) prep(&L->o, att + t * no, &a[t]);
                 } else { /* attention */
                     if (m->qk_norm_full) {
 #pragma omp for schedule(static)
@@ -325,7 +339,7 @@ int sq_step_many_in(const sq_model *m, void *work, void *batch, int64_t M, const
 /* The next sq_step_many copies each GDN layer's inputs before its conv: the qkv products to
  * qkv + (g * M + t) * C and the gate's z | b | a to zba + (g * M + t) * (Vd + 2 Hv), for the g-th GDN
  * layer and row t < M, so a caller can rewind a slot's states to an earlier row of its run (restore
- * a copy, then sq_gdn_mix over the kept rows: runtime/core/session.py). NULL, NULL: no copies.
+ * a copy, then sq_mix over the kept rows: runtime/core/session.py). NULL, NULL: no copies.
  * Returns 0, -1 no workspace. */
 int sq_batch_keep(void *batch, float *qkv, float *zba) {
     sq_batch *b = batch;
@@ -344,32 +358,6 @@ int sq_head_many(const sq_model *m, void *work, int64_t M, const float *xn, floa
     head_rows(m, work, a, M, xn, m->hidden, logits);
     acts_free(a, M);
     return 0;
-}
-
-int sq_prefill_in_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
-                     int64_t chunk, float *out, int64_t all);
-
-/* sq_prefill into the KV slot at element offset kvoff of every layer's cache */
-int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk,
-                  float *out, int64_t all) {
-    return sq_prefill_in_at(m, kvoff, tokens, NULL, T, pos0, chunk, out, all);
-}
-
-/* sq_prefill_at of a multi-token-prediction block (m->fc set; hin [T, hidden]: sq_step_many_in's) */
-int sq_prefill_in_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
-                     int64_t chunk, float *out, int64_t all) {
-    sq_model at = *m;
-    sq_layer *ls = malloc(sizeof(sq_layer) * (m->layers > 0 ? m->layers : 1));
-    if (!ls) return -1;
-    for (int64_t li = 0; li < m->layers; li++) { /* (a layer of its own head dim: its slot offset in its units) */
-        sq_model lm_;
-        const sq_layer *L = &m->layer[li];
-        ls[li] = layer_slot(layer_model(m, L, &lm_), L, layer_kvoff(m, L, kvoff));
-    }
-    at.layer = ls;
-    const int rc = prefill_rows(&at, tokens, hin, T, pos0, chunk, out, all);
-    free(ls);
-    return rc;
 }
 
 /* The final-normed hidden state (fp32 [hidden]) of row t of the last sq_step_many: what a caller

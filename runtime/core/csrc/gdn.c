@@ -27,15 +27,16 @@
 /* the layer shape's per-token widths (work.c sizes the buffers by them) */
 static inline int64_t gdn_kd(const sq_model *m) { return m->lin_k_heads * m->lin_k_dim; }
 
-/* whether the model's GDN shape can run (sq_gdn_mix checks it; sq_work_new and sq_prefill gdn_model_ok) */
+/* whether the model's GDN shape can run (sq_mix checks it; sq_work_new and sq_prefill mix_model_ok) */
 static int gdn_shape_ok(const sq_model *m) {
     return m->lin_k_heads > 0 && m->lin_v_heads > 0 && m->lin_v_heads % m->lin_k_heads == 0 && m->lin_k_dim > 0 &&
            m->lin_v_dim > 0 && m->conv_k >= 1 && m->conv_k <= GDN_KMAX;
 }
 
-/* whether the model's GDN shape is none (all 0: no GDN layers) or one they can run */
+/* whether the model's GDN shape is none (all 0: no GDN layers) or one they can run (conv_k: any
+ * recurrent mixer's, checked by the mixer that has one) */
 static int gdn_model_ok(const sq_model *m) {
-    if (!m->lin_k_heads && !m->lin_v_heads && !m->lin_k_dim && !m->lin_v_dim && !m->conv_k) return 1;
+    if (!m->lin_k_heads && !m->lin_v_heads && !m->lin_k_dim && !m->lin_v_dim) return 1;
     return gdn_shape_ok(m);
 }
 
@@ -79,29 +80,31 @@ static inline int64_t gdn_state_items(const sq_model *m) {
     return m->lin_v_heads * ((m->lin_v_dim + GDN_JB - 1) / GDN_JB);
 }
 
-/* Conv item `it`: channels [it GDN_CB, +GDN_CB) of T tokens (row t of the qkv products at qkv + t *
- * ldq: pre-conv in, silu(conv) out, in place), the layer's conv state (this slot's) advanced by T
- * tokens. The weights and the window of previous inputs are held transposed meanwhile (a ring of
- * K - 1 rows of channels), so each token's channels are one vector loop. Per channel:
- * c = ((0 + w0 s0) + w1 s1) ...  + w[K-1] u, then silu. */
-static void gdn_conv_item(const sq_model *m, const sq_layer *L, int64_t it, float *qkv, int64_t ldq, int64_t T) {
-    const int64_t C = gdn_c(m), K = m->conv_k, c0 = it * GDN_CB, n = C - c0 < GDN_CB ? C - c0 : GDN_CB;
-    float wt[GDN_KMAX][GDN_CB], win[GDN_KMAX][GDN_CB], acc[GDN_CB];
-    const float *w = L->conv_w + c0 * K;
-    float *st = L->conv_state + c0 * (K - 1);
+/* Conv item `it` of a depthwise causal conv over C channels (w [C, K], bias [C] or NULL, the slot's
+ * state [C, K - 1]): channels [it GDN_CB, +GDN_CB) of T tokens (row t at x + t * ldx: pre-conv in,
+ * conv out, in place; act 1: SiLU'd), the state advanced by T tokens. The weights and the window of
+ * previous inputs are held transposed meanwhile (a ring of K - 1 rows of channels), so each token's
+ * channels are one vector loop. Per channel: c = ((bias (or 0) + w0 s0) + w1 s1) ...  + w[K-1] u. */
+static void conv_item(const float *w_, const float *bias, float *state, int64_t C, int64_t K, int64_t it, float *x0,
+                      int64_t ldx, int64_t T, int act) {
+    const int64_t c0 = it * GDN_CB, n = C - c0 < GDN_CB ? C - c0 : GDN_CB;
+    float wt[GDN_KMAX][GDN_CB], win[GDN_KMAX][GDN_CB], acc[GDN_CB], b0[GDN_CB];
+    const float *w = w_ + c0 * K;
+    float *st = state + c0 * (K - 1);
     for (int64_t ch = 0; ch < n; ch++) {
         for (int64_t j = 0; j < K; j++) wt[j][ch] = w[ch * K + j];
         for (int64_t j = 0; j < K - 1; j++) win[j][ch] = st[ch * (K - 1) + j];
+        b0[ch] = bias ? bias[c0 + ch] : 0.f;
     }
     int64_t r0 = 0; /* the oldest row of the window */
     for (int64_t t = 0; t < T; t++) {
-        float *x = qkv + t * ldq + c0;
+        float *x = x0 + t * ldx + c0;
         if (K == 4) { /* the models' kernel: one pass, the sums in registers (the same sums) */
             const float *s0 = win[r0], *s1 = win[(r0 + 1) % 3], *s2 = win[(r0 + 2) % 3];
             for (int64_t ch = 0; ch < n; ch++)
-                acc[ch] = (((0.f + wt[0][ch] * s0[ch]) + wt[1][ch] * s1[ch]) + wt[2][ch] * s2[ch]) + wt[3][ch] * x[ch];
+                acc[ch] = (((b0[ch] + wt[0][ch] * s0[ch]) + wt[1][ch] * s1[ch]) + wt[2][ch] * s2[ch]) + wt[3][ch] * x[ch];
         } else {
-            for (int64_t ch = 0; ch < n; ch++) acc[ch] = 0.f;
+            for (int64_t ch = 0; ch < n; ch++) acc[ch] = b0[ch];
             for (int64_t j = 0; j < K - 1; j++) {
                 const float *wr = wt[j], *sr = win[(r0 + j) % (K - 1)];
                 for (int64_t ch = 0; ch < n; ch++) acc[ch] += wr[ch] * sr[ch];
@@ -113,10 +116,18 @@ static void gdn_conv_item(const sq_model *m, const sq_layer *L, int64_t it, floa
             memcpy(win[r0], x, sizeof(float) * (size_t)n); /* the oldest input out, this one in */
             r0 = (r0 + 1) % (K - 1);
         }
-        gdn_silu_n(acc, x, n);
+        if (act)
+            gdn_silu_n(acc, x, n);
+        else
+            memcpy(x, acc, sizeof(float) * (size_t)n);
     }
     for (int64_t ch = 0; ch < n; ch++)
         for (int64_t j = 0; j < K - 1; j++) st[ch * (K - 1) + j] = win[(r0 + j) % (K - 1)][ch];
+}
+
+/* the GDN layer's conv item: q | k | v channels, no bias, SiLU */
+static void gdn_conv_item(const sq_model *m, const sq_layer *L, int64_t it, float *qkv, int64_t ldq, int64_t T) {
+    conv_item(L->conv_w, NULL, L->conv_state, gdn_c(m), m->conv_k, it, qkv, ldq, T, 1);
 }
 
 /* Head it % (2 Hk) of token it / (2 Hk) (q heads, then k heads) l2-normed in place after the conv,
@@ -267,35 +278,16 @@ static void gdn_mix_team(const sq_model *m, const sq_layer *L, float *qkv, int64
     for (int64_t it = 0; it < T * Hv; it++) gdn_norm(m, L, it % Hv, zba + it / Hv * ldz, out + it / Hv * ldo);
 }
 
-/* The GDN layers' states of the slot at kvoff emptied: a sequence at position 0 (sq_step,
+/* The recurrent layers' states of the slot at kvoff emptied: a sequence at position 0 (sq_step,
  * sq_prefill, a row of sq_step_many) starts from zero states, as attention reads nothing of its
  * cache past the position, so a slot is reused without clearing it first */
 static void gdn_reset_slot(const sq_model *m, int64_t kvoff) {
-    if (!m->lin_v_heads) return; /* no GDN layers */
     for (int64_t li = 0; li < m->layers; li++) {
-        if (m->layer[li].mixer != MIXER_GDN) continue;
+        if (m->layer[li].mixer == MIXER_ATTN) continue;
         const sq_layer s = layer_slot(m, &m->layer[li], kvoff);
-        if (s.conv_state && m->conv_k > 1) memset(s.conv_state, 0, sizeof(float) * (size_t)(gdn_c(m) * (m->conv_k - 1)));
-        if (s.rec_state) memset(s.rec_state, 0, sizeof(float) * (size_t)(m->lin_v_heads * m->lin_k_dim * m->lin_v_dim));
+        int64_t nc, nr;
+        mix_state_floats(m, &m->layer[li], &nc, &nr);
+        if (s.conv_state && nc) memset(s.conv_state, 0, sizeof(float) * (size_t)nc);
+        if (s.rec_state && nr) memset(s.rec_state, 0, sizeof(float) * (size_t)nr);
     }
-}
-
-/* T tokens of the sequence in the slot at kvoff (layer_slot) through GDN layer L's mixer, from their
- * qkv products [T, C] and gate products [T, Vd + 2 Hv] (fp32; qkv is not written): out [T, Vd], the
- * un-projected mixer output (before o), and the slot's conv and recurrent states advanced. The
- * arithmetic of sq_step / sq_prefill / sq_step_many on their products (tests). Returns 0, -1 out of
- * memory, -2 not a GDN layer or shape. */
-int sq_gdn_mix(const sq_model *m, const sq_layer *L, int64_t kvoff, const float *qkv, const float *zba, int64_t T,
-               float *out) {
-    if (L->mixer != MIXER_GDN || !gdn_shape_ok(m) || T < 0) return -2;
-    if (T == 0) return 0;
-    const int64_t C = gdn_c(m);
-    float *x = malloc(sizeof(float) * (size_t)(T * C));
-    if (!x) return -1;
-    memcpy(x, qkv, sizeof(float) * (size_t)(T * C));
-    const sq_layer s = layer_slot(m, L, kvoff);
-#pragma omp parallel
-    gdn_mix_team(m, &s, x, C, zba, gdn_nz(m), T, out, gdn_vd(m));
-    free(x);
-    return 0;
 }

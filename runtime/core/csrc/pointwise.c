@@ -65,15 +65,17 @@ static void quant_row_q8(const float *x, int64_t n, int8_t *code, uint16_t *scal
 }
 
 /* layer L's view of the KV slot at element offset kvoff of its caches (batch.c: a slot of a
- * [slots, kv_heads, cap, head_dim] cache; the scales' slot offset is kvoff / head_dim); a GDN
+ * [slots, kv_heads, cap, head_dim] cache; the scales' slot offset is kvoff / head_dim); a recurrent
  * layer's view of the same slot's states, slot kvoff / (kv_heads * cap * head_dim) of its
- * conv_state [slots, C, K - 1] and rec_state [slots, Hv, dk, dv] */
+ * conv_state and rec_state (mix_state_floats each) */
 static inline sq_layer layer_slot(const sq_model *m, const sq_layer *L, int64_t kvoff) {
     sq_layer s = *L;
-    if (L->mixer == MIXER_GDN) {
+    if (L->mixer != MIXER_ATTN) {
         const int64_t per = m->kv_heads * m->cap * m->head_dim, slot = per > 0 ? kvoff / per : 0;
-        if (L->conv_state) s.conv_state = L->conv_state + slot * gdn_c(m) * (m->conv_k - 1);
-        if (L->rec_state) s.rec_state = L->rec_state + slot * m->lin_v_heads * m->lin_k_dim * m->lin_v_dim;
+        int64_t nc, nr;
+        mix_state_floats(m, L, &nc, &nr);
+        if (L->conv_state) s.conv_state = L->conv_state + slot * nc;
+        if (L->rec_state) s.rec_state = L->rec_state + slot * nr;
         return s;
     }
     if (m->kv_int8) {

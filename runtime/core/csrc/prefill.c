@@ -38,7 +38,7 @@ static int linear_many(const sq_linear *L, const float *X, int64_t M, float *Y, 
 static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
                         int64_t chunk, float *out, int64_t all) {
     if (!m->fc.q != !hin) return -5; /* an MTP block (fc) reads hidden states, a model none */
-    if (T <= 0 || pos0 < 0 || pos0 + T > m->cap || !gdn_model_ok(m)) return -2;
+    if (T <= 0 || pos0 < 0 || pos0 + T > m->cap || !mix_model_ok(m)) return -2;
     if (chunk <= 0 || chunk > T) chunk = T;
     const int64_t E = m->hidden, H = m->heads, D = m->head_dim, I = m->inter, P = m->ple_dim, NLP = m->layers * P;
     const int64_t maxk = mix_maxk(m), wide = imax2(imax2(imax2(2 * I, mix_qkv(m)), 2 * E), NLP);
@@ -89,9 +89,11 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
             if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
             if (L->gate.q && (rc = linear_many(&L->gate, xn, n, gv, xt))) break;
-            if (L->mixer == MIXER_GDN) { /* the chunk through the conv and the state (gdn.c), o [n, Vd] */
+            if (L->mixer != MIXER_ATTN) { /* the chunk through a recurrent mixer (gdn.c, ssm.c), o's input [n, no] */
+                int64_t mq, ng, no;
+                mix_widths(m, L, &mq, &ng, &no);
 #pragma omp parallel
-                gdn_mix_team(m, L, big, gdn_c(m), gv, gdn_nz(m), n, att, gdn_vd(m));
+                mix_team(m, L, big, mq, gv, ng, n, att, no);
             } else {
 #pragma omp parallel for schedule(static)
                 for (int64_t t = 0; t < n; t++) qk_rope_cache(ml, L, big + t * nq, p0 + t);
@@ -143,4 +145,30 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
 int sq_prefill(const sq_model *m, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk, float *out,
                int64_t all) {
     return prefill_rows(m, tokens, NULL, T, pos0, chunk, out, all);
+}
+
+int sq_prefill_in_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
+                     int64_t chunk, float *out, int64_t all);
+
+/* sq_prefill into the KV slot at element offset kvoff of every layer's cache */
+int sq_prefill_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, int64_t T, int64_t pos0, int64_t chunk,
+                  float *out, int64_t all) {
+    return sq_prefill_in_at(m, kvoff, tokens, NULL, T, pos0, chunk, out, all);
+}
+
+/* sq_prefill_at of a multi-token-prediction block (m->fc set; hin [T, hidden]: sq_step_many_in's) */
+int sq_prefill_in_at(const sq_model *m, int64_t kvoff, const int64_t *tokens, const float *hin, int64_t T, int64_t pos0,
+                     int64_t chunk, float *out, int64_t all) {
+    sq_model at = *m;
+    sq_layer *ls = malloc(sizeof(sq_layer) * (m->layers > 0 ? m->layers : 1));
+    if (!ls) return -1;
+    for (int64_t li = 0; li < m->layers; li++) { /* (a layer of its own head dim: its slot offset in its units) */
+        sq_model lm_;
+        const sq_layer *L = &m->layer[li];
+        ls[li] = layer_slot(layer_model(m, L, &lm_), L, layer_kvoff(m, L, kvoff));
+    }
+    at.layer = ls;
+    const int rc = prefill_rows(&at, tokens, hin, T, pos0, chunk, out, all);
+    free(ls);
+    return rc;
 }

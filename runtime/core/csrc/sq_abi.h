@@ -5,12 +5,12 @@
 #define SQ_ABI_H
 #include <stdint.h>
 
-#define SQ_ABI 17
+#define SQ_ABI 18
 
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
 /* layer mixers (sq_layer.mixer; formats/mixers.py Mixer.code, checked against sq_abi_desc) */
-enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
+enum { MIXER_ATTN = 0, MIXER_GDN = 1, MIXER_SCONV = 2, MIXER_MAMBA = 3 };
 
 /* one linear: W [N, K] in the artifact's mapping, read in place.
  *   q    int4, lut4: rows32 bytes [N, K/2]; int8: int8 [N, K]; bf16: bf16 [N, K]
@@ -41,6 +41,12 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
  * (the previous K - 1 pre-conv inputs, oldest first) and rec_state [slots, Hv, dk, dv] (S[h][i][j],
  * i the key dim); a sequence at position 0 empties its slot's states first (gdn.c gdn_reset_slot).
  * q_norm, k_norm, cos, sin and the KV cache are unused (NULL) there.
+ * MIXER_SCONV, a gated short convolution (ssm.c; LFM2): qkv is in_proj [3 E, E] (rows B | C | x), o
+ * out_proj; conv_w [E, K]; conv_state [slots, E, K - 1] (the previous K - 1 values of B * x).
+ * MIXER_MAMBA, a Mamba-2 layer (ssm.c; shapes in sq_model ssm_*): qkv is in_proj's x | B | C rows
+ * [Cm, E] (Cm = inner + 2 G N), gate its z | dt rows [inner + H, E], o out_proj [E, inner]; conv_w
+ * [Cm, K], conv_b [Cm] or NULL, a_log [H], dt_bias [H], ssm_d [H], gnorm [inner]; conv_state [slots,
+ * Cm, K - 1] and rec_state [slots, H, P, N] (S[h][p][n]).
  * Per-layer geometry (Gemma 4; 0 / NULL: none): head_dim (this layer's; the model's head_dim is the
  * largest, and a KV slot's offset is in its units), kv_shared (1: qkv holds q rows only and the caches
  * are an earlier layer's, read, never written), scalar (the layer's output times it), and after the
@@ -54,7 +60,8 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
     F(uint16_t *, kscale) F(uint16_t *, vscale) F(int64_t, rot) F(int64_t, window) F(sq_linear, gate)   \
     F(int64_t, mixer) F(const float *, conv_w) F(const float *, a_log) F(const float *, dt_bias)  \
     F(const float *, gnorm) F(float *, conv_state) F(float *, rec_state) F(int64_t, head_dim) F(int64_t, kv_shared) \
-    F(double, scalar) F(sq_linear, ple_gate) F(sq_linear, ple_proj) F(const uint16_t *, ple_norm)
+    F(double, scalar) F(sq_linear, ple_gate) F(sq_linear, ple_proj) F(const uint16_t *, ple_norm)                   \
+    F(const float *, conv_b) F(const float *, ssm_d)
 
 /* the model: shape, act (0 SiLU, 1 GELU-tanh, 2 GELU (erf)), norm_offset (1: (1 + w) norms), refine_top (top
  * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),
@@ -70,7 +77,10 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
  * norm(hidden state, fc_hnorm)] replaces the embedding row (sq_step_many_in, sq_prefill_in_at); v_norm (1: each
  * V head RMS-normed without a weight before the cache, Gemma 4); per-layer inputs (ple_dim P > 0, Gemma 4):
  * per token ple_l = (norm(ple_model(x)_l / sqrt(hidden), ple_in_norm) + ple_embed[token]_l * sqrt(P)) / sqrt(2)
- * for each layer l, x the scaled embedding (pointwise.c ple_combine). */
+ * for each layer l, x the scaled embedding (pointwise.c ple_combine); the short convolutions' channels sc_dim
+ * (0: none); the Mamba-2 layers' shape (all 0: none): ssm_heads H, ssm_head_dim P, ssm_state N, ssm_groups G
+ * (B and C per group; head h reads group h / (H / G)), ssm_norm_groups (the gated norm's groups); both
+ * with conv_k and (Mamba) gnorm_eps. */
 #define SQ_MODEL_FIELDS(F)                                                                        \
     F(int64_t, layers) F(int64_t, hidden) F(int64_t, heads) F(int64_t, kv_heads) F(int64_t, head_dim) \
     F(int64_t, inter) F(int64_t, vocab) F(int64_t, cap) F(int64_t, act) F(int64_t, norm_offset)   \
@@ -80,7 +90,8 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1 };
     F(int64_t, lin_k_heads) F(int64_t, lin_v_heads) F(int64_t, lin_k_dim) F(int64_t, lin_v_dim)   \
     F(int64_t, conv_k) F(double, beta_scale) F(double, gnorm_eps) F(sq_linear, fc) F(const uint16_t *, fc_enorm)  \
     F(const uint16_t *, fc_hnorm) F(int64_t, v_norm) F(int64_t, ple_dim) F(sq_linear, ple_embed) F(sq_linear, ple_model) \
-    F(const uint16_t *, ple_in_norm)
+    F(const uint16_t *, ple_in_norm) F(int64_t, sc_dim) F(int64_t, ssm_heads) F(int64_t, ssm_head_dim)            \
+    F(int64_t, ssm_state) F(int64_t, ssm_groups) F(int64_t, ssm_norm_groups)
 
 #define SQ_FIELD_DECL(type, name) type name;
 typedef struct { SQ_LINEAR_FIELDS(SQ_FIELD_DECL) } sq_linear;

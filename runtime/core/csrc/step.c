@@ -7,7 +7,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
     if (pos < 0 || pos >= m->cap) return -1;
     const int64_t E = m->hidden, P = m->ple_dim;
     const int off = (int)m->norm_offset;
-    if (pos == 0) gdn_reset_slot(m, 0); /* a new sequence: empty GDN states */
+    if (pos == 0) gdn_reset_slot(m, 0); /* a new sequence: empty recurrent states */
     /* one parallel region per token: `single` blocks for the serial parts, worksharing loops
      * for the products and attention (each ends in a barrier), no fork/join per product */
 #pragma omp parallel
@@ -40,8 +40,10 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
                 prep(&L->gate, w->xn, &w->a);
                 products(&L->gate, &w->a, w->g);
             }
-            if (L->mixer == MIXER_GDN) { /* a Gated DeltaNet layer: its gate product is z | b | a */
-                gdn_mix_team(m, L, w->qkv, gdn_c(m), w->g, gdn_nz(m), 1, w->att, gdn_vd(m));
+            if (L->mixer != MIXER_ATTN) { /* a recurrent mixer (gdn.c, ssm.c): its gate product, if any, is its own */
+                int64_t nq, ng, no;
+                mix_widths(m, L, &nq, &ng, &no);
+                mix_team(m, L, w->qkv, nq, w->g, ng, 1, w->att, no);
             } else {
                 if (m->qk_norm_full) {
 #pragma omp single
@@ -53,7 +55,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             }
 #pragma omp single
             {
-                if (L->gate.q && L->mixer != MIXER_GDN) attn_gate(ml, w->g, w->att);
+                if (L->gate.q && L->mixer == MIXER_ATTN) attn_gate(ml, w->g, w->att);
                 prep(&L->o, w->att, &w->a);
             }
             products(&L->o, &w->a, w->h);

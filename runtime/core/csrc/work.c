@@ -20,23 +20,50 @@ static inline int64_t gdn_vd(const sq_model *m) { return m->lin_v_heads * m->lin
 static inline int64_t gdn_c(const sq_model *m) { return 2 * m->lin_k_heads * m->lin_k_dim + gdn_vd(m); }
 static inline int64_t gdn_nz(const sq_model *m) { return gdn_vd(m) + 2 * m->lin_v_heads; }
 static inline int64_t imax2(int64_t a, int64_t b) { return a > b ? a : b; }
+/* a Mamba-2 layer's (ssm.c; 0 without such layers): the inner width (o's input), the conv's channels
+ * x | B | C (the qkv product), the gate product z | dt */
+static inline int64_t ssm_inner(const sq_model *m) { return m->ssm_heads * m->ssm_head_dim; }
+static inline int64_t ssm_c(const sq_model *m) { return ssm_inner(m) + 2 * m->ssm_groups * m->ssm_state; }
+static inline int64_t ssm_nz(const sq_model *m) { return ssm_inner(m) + m->ssm_heads; }
 
-/* The steps' buffer widths per token, the larger of attention's and a GDN layer's: the qkv product,
- * the mixer output (o's input), the gate product, and the widest activation a product takes */
-static inline int64_t mix_qkv(const sq_model *m) { return imax2((m->heads + 2 * m->kv_heads) * m->head_dim, gdn_c(m)); }
-static inline int64_t mix_att(const sq_model *m) { return imax2(imax2(m->heads * m->head_dim, gdn_vd(m)), 2 * m->ple_dim); }
+/* a recurrent layer's row widths per token: its qkv product, its gate product (0: none), its output (o's input) */
+static inline void mix_widths(const sq_model *m, const sq_layer *L, int64_t *nq, int64_t *ng, int64_t *no) {
+    *nq = *ng = *no = 0;
+    if (L->mixer == MIXER_GDN) *nq = gdn_c(m), *ng = gdn_nz(m), *no = gdn_vd(m);
+    if (L->mixer == MIXER_SCONV) *nq = 3 * m->sc_dim, *no = m->sc_dim;
+    if (L->mixer == MIXER_MAMBA) *nq = ssm_c(m), *ng = ssm_nz(m), *no = ssm_inner(m);
+}
+
+/* a recurrent layer's per-slot state sizes in floats: its conv window, its recurrent state */
+static inline void mix_state_floats(const sq_model *m, const sq_layer *L, int64_t *conv, int64_t *rec) {
+    const int64_t km = m->conv_k - 1;
+    *conv = *rec = 0;
+    if (L->mixer == MIXER_GDN) *conv = gdn_c(m) * km, *rec = m->lin_v_heads * m->lin_k_dim * m->lin_v_dim;
+    if (L->mixer == MIXER_SCONV) *conv = m->sc_dim * km;
+    if (L->mixer == MIXER_MAMBA) *conv = ssm_c(m) * km, *rec = m->ssm_heads * m->ssm_head_dim * m->ssm_state;
+}
+
+/* The steps' buffer widths per token, the largest of attention's and the recurrent mixers': the qkv
+ * product, the mixer output (o's input), the gate product, and the widest activation a product takes */
+static inline int64_t mix_qkv(const sq_model *m) {
+    return imax2(imax2((m->heads + 2 * m->kv_heads) * m->head_dim, gdn_c(m)), imax2(3 * m->sc_dim, ssm_c(m)));
+}
+static inline int64_t mix_att(const sq_model *m) {
+    return imax2(imax2(imax2(m->heads * m->head_dim, gdn_vd(m)), 2 * m->ple_dim), imax2(m->sc_dim, ssm_inner(m)));
+}
 static inline int64_t mix_gate(const sq_model *m) {
-    return imax2(m->heads * (m->gate_width > 0 ? m->gate_width : 1), gdn_nz(m));
+    return imax2(imax2(m->heads * (m->gate_width > 0 ? m->gate_width : 1), gdn_nz(m)), ssm_nz(m));
 }
 static inline int64_t mix_maxk(const sq_model *m) {
-    return imax2(imax2(max3(m->hidden, m->inter, m->heads * m->head_dim), gdn_vd(m)), m->fc.q ? m->fc.k : 0);
+    return imax2(imax2(imax2(max3(m->hidden, m->inter, m->heads * m->head_dim), gdn_vd(m)), m->fc.q ? m->fc.k : 0),
+                 ssm_inner(m));
 }
 
-static int gdn_model_ok(const sq_model *m); /* gdn.c */
+static int mix_model_ok(const sq_model *m); /* ssm.c */
 
-/* NULL when out of memory (nothing left allocated), or GDN layers of a shape they cannot run */
+/* NULL when out of memory (nothing left allocated), or recurrent layers of a shape they cannot run */
 void *sq_work_new(const sq_model *m) {
-    if (!gdn_model_ok(m)) return NULL;
+    if (!mix_model_ok(m)) return NULL;
     sq_work *w = calloc(1, sizeof(sq_work));
     if (!w) return NULL;
     int64_t maxk = mix_maxk(m);
