@@ -263,8 +263,13 @@ class Calibration:
             # the down projection's inputs, the largest activations, kept in bf16 (their Hessian and
             # product read them in float32 blocks): -150 MB peak at 1.5B, far finer than the W4A8 runtime
             act = self.layers.act
-            half = w.shape[0] // 2
+            half = w.shape[0] // 2 if self.spec.gated_mlp else w.shape[0]  # (relu2: up rows alone)
             out = torch.empty(self.inp.shape[0], half, dtype=torch.bfloat16)
+            if isinstance(w, RowBlocks) and not self.spec.gated_mlp:
+                for j0 in range(0, half, w.block):
+                    out[:, j0:min(half, j0 + w.block)] = act(self.inp @ w.rows(j0, min(half, j0 + w.block)).T)
+                self.inp = out
+                return
             if isinstance(w, RowBlocks):  # gate and up rows a block at a time: no [tokens, 2I] product
                 assert not self.errors, "a weight error needs the whole product"
                 for j0 in range(0, half, w.block):

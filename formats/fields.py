@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .spec import ModelSpec
 
 
-ACTS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu",)}
+ACTS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu",), "relu2": ("relu2",)}
 # the expert count of mixture-of-experts MLPs (each family's name for it): a positive one is refused,
 # sparkq runs dense MLPs (a dense config may still carry num_experts_per_tok and the like: Granite 4.0)
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -87,7 +87,49 @@ def _lfm(cfg: dict) -> dict:
     return out
 
 
-CONFIG_VIEWS = {"lfm2": _lfm, "lfm3": _lfm}  # recipe family -> its config as spec.py reads it
+def _nemotron_h(cfg: dict) -> dict:
+    """Nemotron-H's blocks (one norm and one mixer, MLP or experts each: hybrid_override_pattern M / * / -
+    / E, or layers_block_type) as sparkq layers: a mixer block and the MLP block after it (if any) are one
+    layer (``sparkq_blocks``: each layer's blocks, formats/spec.py); its mamba_* fields under the names
+    formats/mixers.py reads. Experts, and an MLP block after no mixer, are refused by name."""
+    kinds = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if not types and isinstance(cfg.get("hybrid_override_pattern"), str):
+        types = [kinds.get(c, c) for c in cfg["hybrid_override_pattern"]]
+    if not isinstance(types, list) or not types:
+        raise SpecError("config.json: a Nemotron-H config needs its blocks (hybrid_override_pattern or layers_block_type)")
+    types = [{"linear_attention": "mamba", "attention": "full_attention"}.get(t, t) for t in types]
+    if "moe" in types:
+        raise SpecError("config.json: Nemotron-H blocks with experts (moe / E) are not implemented; sparkq runs dense MLPs")
+    if set(types) - {"mamba", "full_attention", "mlp"}:
+        raise SpecError(f"config.json: Nemotron-H block types {sorted(set(types) - {'mamba', 'full_attention', 'mlp'})} "
+                        "are not implemented")
+    layers, blocks = [], []
+    for j, t in enumerate(types):
+        if t != "mlp":
+            layers.append(t)
+            blocks.append([j, -1])
+        elif not blocks or blocks[-1][1] >= 0:
+            raise SpecError(f"config.json: Nemotron-H block {j} is an MLP after no mixer; not implemented")
+        else:
+            blocks[-1][1] = j
+    out = {k: v for k, v in cfg.items() if k not in MOE_FIELDS and k not in ("layers_block_type", "hybrid_override_pattern")}
+    act = cfg.get("mamba_hidden_act", "silu")
+    if act not in ACTS["silu"]:
+        raise SpecError(f"config.json: mamba_hidden_act={act!r} is not implemented (sparkq runs silu)")
+    if cfg.get("use_bias") or cfg.get("mlp_bias"):
+        raise SpecError("config.json: use_bias / mlp_bias=true (biases on the projections) is not implemented")
+    heads, head_dim = cfg.get("mamba_num_heads", 128), cfg.get("mamba_head_dim", 64)
+    out.update(num_hidden_layers=len(layers), layer_types=layers, sparkq_blocks=blocks, hidden_act=cfg.get("mlp_hidden_act", "relu2"),
+               rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5), position_embedding_type="nope",
+               mamba_n_heads=heads, mamba_d_head=head_dim, mamba_d_ssm=heads * head_dim if isinstance(heads, int)
+               and isinstance(head_dim, int) else None, mamba_d_state=cfg.get("ssm_state_size", 128),
+               mamba_n_groups=cfg.get("n_groups", 8), mamba_d_conv=cfg.get("conv_kernel", 4),
+               mamba_conv_bias=cfg.get("use_conv_bias", True))
+    return out
+
+
+CONFIG_VIEWS = {"lfm2": _lfm, "lfm3": _lfm, "nemotron_h": _nemotron_h}  # recipe family -> its config as spec.py reads it
 
 
 def _gate_width(cfg: dict, gate: str) -> int:

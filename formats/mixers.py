@@ -133,11 +133,11 @@ def ssm_shape(cfg: dict, eps: float) -> SSMShape | None:
                  ("mamba_d_state", cfg.get("mamba_d_state", 256)), ("mamba_d_conv", cfg.get("mamba_d_conv", 4))):
         if type(v) is not int or v <= 0:
             raise SpecError(f"config.json: {k} must be a positive integer, got {v!r}")
+    inner = cfg.get("mamba_d_ssm") or expand * hidden  # (Falcon-H1, Nemotron-H: heads x head dim, not expand x hidden)
     if d_head == "auto":
-        d_head = expand * hidden // heads
-    if type(d_head) is not int or d_head * heads != expand * hidden:
-        raise SpecError(f"config.json: mamba_d_head {d_head!r} x mamba_n_heads {heads} must be mamba_expand x hidden_size "
-                        f"({expand * hidden})")
+        d_head = inner // heads
+    if type(d_head) is not int or d_head * heads != inner:
+        raise SpecError(f"config.json: mamba_d_head {d_head!r} x mamba_n_heads {heads} must be the SSM width ({inner})")
     if heads % groups:
         raise SpecError(f"config.json: mamba_n_heads {heads} is not a multiple of mamba_n_groups {groups}")
     lim = cfg.get("time_step_limit", (0.0, float("inf")))

@@ -105,13 +105,13 @@ class Recipe:
         for i in range(spec.layers):
             mixer = spec.mixers[i]
             for role in spec.roles(i):
-                srcs = self.layer_sources(role, i, mixer)
+                srcs = self.layer_sources(role, spec.block(i, role), mixer)
                 # a KV-sharing layer's qkv: its q rows alone (a checkpoint's k / v there are unused)
                 out[f"layers.{i}.{role}"] = srcs if role != C.ROLE_QKV or spec.owns_kv(i) else srcs[:1]
             for role in spec.norms(i):
-                out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, i, mixer)
+                out[f"layers.{i}.{role}.weight"] = self.layer_sources(role, spec.block(i, role), mixer)
             for name in spec.params(i):
-                out[f"layers.{i}.{name}"] = self.layer_sources(name, i, mixer)
+                out[f"layers.{i}.{name}"] = self.layer_sources(name, spec.block(i, name), mixer)
             if spec.qkv_bias and mixer == C.MIXER_ATTENTION:
                 out[f"layers.{i}.qkv.bias"] = self.layer_sources("qkv_bias", i)
         out["norm.weight"] = [self.global_names["norm"]]
@@ -134,7 +134,7 @@ FEATURES = {
     "norm_offset": False,     # RMSNorm scales by (1 + w), computed in fp32 (Gemma)
     "sandwich_norms": False,  # extra norms after attention and after the MLP (Gemma3)
     "embed_scale": False,     # embeddings multiplied by sqrt(hidden) (Gemma)
-    "act": "silu",            # MLP gate activation: silu | gelu_tanh | gelu (exact, erf)
+    "act": "silu",            # MLP gate activation: silu | gelu_tanh | gelu (exact, erf) | relu2 (relu(up)^2, no gate)
     "pre_norms": True,        # norms before attention and the MLP (OLMo2 has only the sandwich's after)
     "qk_norm_full": False,    # q_norm / k_norm over all heads' q and k, before the split into heads (OLMo2)
     # an output gate on attention: sigmoid of the `gate` linear (from the attention's normed input)
@@ -151,7 +151,7 @@ FEATURES = {
     "layer_scalar": False,    # each layer's output times its stored scalar (Gemma 4: [layer] layer_scalar)
     "attn_scale": 0.0,        # the attention scores' scale (0: query_pre_attn_scalar's or head_dim^-0.5; Gemma 4: 1)
 }
-ACTS = ("silu", "gelu_tanh", "gelu")
+ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
 GATES = ("none", "head", "channel")
 
 # fields every transformers config may carry (PretrainedConfig's own), never refused

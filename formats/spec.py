@@ -66,6 +66,9 @@ class ModelSpec:
     ple_vocab: int = 0
     v_norm: bool = False  # values RMS-normed per head, no weight (Gemma 4)
     layer_scalar: bool = False  # each layer's output scaled by its stored scalar (Gemma 4)
+    # checkpoints of single-block layers (Nemotron-H: a norm and one mixer or MLP per block): per layer,
+    # the checkpoint blocks of its mixer and of its MLP (-1: the layer has no MLP); empty: block i is layer i
+    blocks: tuple[tuple[int, int], ...] = ()
 
     @property
     def mixers(self) -> tuple[str, ...]:
@@ -97,9 +100,24 @@ class ModelSpec:
         """layer i's MLP width"""
         return self.inters[i] if self.inters and i is not None else self.intermediate
 
+    def has_mlp(self, i: int) -> bool:
+        """whether layer i has an MLP after its mixer (Nemotron-H's mixer blocks may not)"""
+        return not self.blocks or self.blocks[i][1] >= 0
+
+    @property
+    def gated_mlp(self) -> bool:
+        """gate_up holds gate | up rows (act(gate) * up), or up alone (relu2: relu(up)^2, Nemotron-H)"""
+        return self.act != "relu2"
+
+    def block(self, i: int, role: str) -> int:
+        """the checkpoint block (layer prefix index) holding layer i's tensor of ``role``"""
+        if not self.blocks:
+            return i
+        return self.blocks[i][1] if role in (C.ROLE_GATE_UP, C.ROLE_DOWN, "mlp_norm") else self.blocks[i][0]
+
     def roles(self, i: int) -> tuple[str, ...]:
         """Layer i's linears, in the order the layer runs them (a gate reads the mixer's input)."""
-        return tuple(MIXERS[self.mixers[i]].linears(self, i)) + (C.ROLE_GATE_UP, C.ROLE_DOWN) + (
+        return tuple(MIXERS[self.mixers[i]].linears(self, i)) + ((C.ROLE_GATE_UP, C.ROLE_DOWN) if self.has_mlp(i) else ()) + (
             (C.ROLE_PLE_GATE, C.ROLE_PLE_PROJ) if self.ple_dim else ())
 
     @property
@@ -114,8 +132,9 @@ class ModelSpec:
 
     def norms(self, i: int) -> tuple[str, ...]:
         """Layer i's norm vectors (layers.i.<name>.weight)."""
-        return MIXERS[self.mixers[i]].norms(self, i) + ((C.PLE_NORM,) if self.ple_dim else ()) + (
-            (C.LAYER_SCALAR,) if self.layer_scalar else ())
+        own = MIXERS[self.mixers[i]].norms(self, i)
+        own = own if self.has_mlp(i) else tuple(n for n in own if n not in ("mlp_norm", "post_mlp_norm"))
+        return own + ((C.PLE_NORM,) if self.ple_dim else ()) + ((C.LAYER_SCALAR,) if self.layer_scalar else ())
 
     def has_norm(self, i: int, name: str) -> bool:
         return name in self.norms(i)
@@ -182,10 +201,12 @@ class ModelSpec:
                     rope_optional: bool = False, mtp_layers: int = 0, v_norm: bool = False,
                     layer_scalar: bool = False, attn_scale: float = 0.0, short_conv: bool = False,
                     mamba: bool = False) -> "ModelSpec":
+        blocks = ()
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key in cfg and type(cfg[key]) is not int:
                 raise SpecError(f"config.json: {key} must be an integer, got {cfg[key]!r}")
-        cfg = CONFIG_VIEWS[family](cfg) if family in CONFIG_VIEWS else cfg  # (LFM2's legacy names)
+        cfg = CONFIG_VIEWS[family](cfg) if family in CONFIG_VIEWS else cfg  # (LFM2's legacy names, Nemotron-H's blocks)
+        blocks = tuple(tuple(b) for b in cfg.get("sparkq_blocks") or ())
         if mamba and isinstance(cfg.get("layer_types") or cfg.get("layers_block_type"), list):
             # GraniteMoeHybrid: its mamba layers ("linear_attention" as transformers 5 saves them)
             cfg = {**cfg, "layer_types": ["mamba" if t in ("mamba", "linear_attention") else t
@@ -238,6 +259,7 @@ class ModelSpec:
                 mtp_layers=int(mtp_layers),
                 v_norm=v_norm,
                 layer_scalar=layer_scalar,
+                blocks=blocks,
             )
             types = spec.layer_types or ("full_attention",) * spec.layers
             hds = head_dims(cfg, types, spec.head_dim)
@@ -302,8 +324,9 @@ class ModelSpec:
         for i in range(self.layers):
             for role, shape in MIXERS[self.mixers[i]].linears(self, i).items():
                 out[f"layers.{i}.{role}"] = shape
-            out[f"layers.{i}.gate_up"] = (2 * self.inter(i), self.hidden)
-            out[f"layers.{i}.down"] = (self.hidden, self.inter(i))
+            if self.has_mlp(i):
+                out[f"layers.{i}.gate_up"] = ((2 if self.gated_mlp else 1) * self.inter(i), self.hidden)
+                out[f"layers.{i}.down"] = (self.hidden, self.inter(i))
             if self.ple_dim:
                 out[f"layers.{i}.{C.ROLE_PLE_GATE}"] = (self.ple_dim, self.hidden)
                 out[f"layers.{i}.{C.ROLE_PLE_PROJ}"] = (self.hidden, self.ple_dim)
@@ -345,7 +368,7 @@ class ModelSpec:
             d = self.hd(i)
             return [self.heads * d] + ([self.kv_heads * d] * 2 if self.owns_kv(i) else [])
         if role == C.ROLE_GATE_UP:
-            return [self.inter(i), self.inter(i)]
+            return [self.inter(i), self.inter(i)] if self.gated_mlp else [self.inter(i)]
         return [self.linear_shapes()[name][0]]
 
     def _norm_shape(self, n: str, i: int | None = None) -> tuple[int]:

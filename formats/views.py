@@ -40,21 +40,30 @@ def _olmo_hybrid(config: dict, shapes: dict) -> dict:
     return out
 
 
-def _granite_hybrid(config: dict, shapes: dict) -> dict:
+def _mamba_in_proj(shapes: dict, suffix: str, heads: int, inner: int) -> dict:
     """A Mamba-2 layer's in_proj [z | x B C | dt] rows: ``<in_proj>:z``, ``:xbc`` and ``:dt`` (the
     recipe's gate is z | dt, its qkv x B C: the conv's input)."""
     out = {}
     for name, shape in shapes.items():
-        if name.endswith("mamba.in_proj.weight"):
-            heads = int(config.get("mamba_n_heads", 128))
-            inner = int(config.get("mamba_expand", 2)) * int(config["hidden_size"])
+        if name.endswith(suffix):
             bounds = {":z": (0, inner), ":xbc": (inner, shape[0] - heads), ":dt": (shape[0] - heads, shape[0])}
-            for suffix, (a, b) in bounds.items():
-                out[name + suffix] = ((b - a, *shape[1:]), [(name, a, b)])
+            for part, (a, b) in bounds.items():
+                out[name + part] = ((b - a, *shape[1:]), [(name, a, b)])
     return out
 
 
-VIEWS = {"qwen3_5": _qwen3_5, "olmo_hybrid": _olmo_hybrid, "granitemoehybrid": _granite_hybrid}  # recipe family -> its views
+def _granite_hybrid(config: dict, shapes: dict) -> dict:
+    heads = int(config.get("mamba_n_heads", 128))
+    return _mamba_in_proj(shapes, "mamba.in_proj.weight", heads, int(config.get("mamba_expand", 2)) * int(config["hidden_size"]))
+
+
+def _nemotron_h(config: dict, shapes: dict) -> dict:
+    heads = int(config.get("mamba_num_heads", 128))
+    return _mamba_in_proj(shapes, "mixer.in_proj.weight", heads, heads * int(config.get("mamba_head_dim", 64)))
+
+
+VIEWS = {"qwen3_5": _qwen3_5, "olmo_hybrid": _olmo_hybrid, "granitemoehybrid": _granite_hybrid,
+         "nemotron_h": _nemotron_h}  # recipe family -> its views
 
 
 def views(family: str, config: dict, shapes: dict) -> dict[str, tuple[tuple, Runs]]:

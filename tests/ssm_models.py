@@ -1,4 +1,4 @@
-"""Tiny random LFM2 / LFM3 / Granite 4.0-H checkpoints made with transformers (the oracle), for
+"""Tiny random LFM2 / LFM3 / Granite 4.0-H / Nemotron-H checkpoints made with transformers (the oracle), for
 tests/test_ssm.py: parameters drawn so that every part matters (slow decays, conv taps of both
 signs, norms near 1)."""
 from __future__ import annotations
@@ -9,13 +9,15 @@ import torch
 
 from helpers import _save
 
-ARCHS = ("lfm2", "lfm3", "granite_h")
+ARCHS = ("lfm2", "lfm3", "granite_h", "nemotron_h")
 
 
 def make_ssm(out: Path, arch: str = "lfm2", *, hidden=128, layers=4, vocab=320, seed=0, dtype=torch.bfloat16,
              tied=None, **extra) -> Path:
     import transformers
 
+    if arch == "nemotron_h":
+        return make_nemotron_h(out, hidden=hidden, vocab=vocab, seed=seed, dtype=dtype, **extra)
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, eos_token_id=256, bos_token_id=None,
@@ -42,6 +44,11 @@ def make_ssm(out: Path, arch: str = "lfm2", *, hidden=128, layers=4, vocab=320, 
         model = transformers.GraniteMoeHybridForCausalLM(cfg)
     else:
         raise ValueError(arch)
+    _draw(model)
+    return _save(model, out, vocab, dtype)
+
+
+def _draw(model) -> None:
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("A_log"):
@@ -58,4 +65,19 @@ def make_ssm(out: Path, arch: str = "lfm2", *, hidden=128, layers=4, vocab=320, 
                 p.normal_(0, 0.08)
             else:
                 p.uniform_(0.8, 1.2)
+
+
+def make_nemotron_h(out: Path, *, pattern: str = "M-M*-MM-", hidden=128, vocab=320, seed=0, dtype=torch.bfloat16,
+                    **extra) -> Path:
+    """A tiny random Nemotron-H (blocks: M Mamba-2, * attention, - relu2 MLP)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.NemotronHConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=len(pattern), hybrid_override_pattern=pattern,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256, mamba_num_heads=8,
+        mamba_head_dim=24, ssm_state_size=32, n_groups=2, conv_kernel=4, max_position_embeddings=512,
+        eos_token_id=256, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False, **extra)
+    model = transformers.NemotronHForCausalLM(cfg)
+    _draw(model)
     return _save(model, out, vocab, dtype)

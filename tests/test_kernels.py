@@ -652,7 +652,7 @@ def test_failed_workspace_allocation_frees_what_it_took():
 
 @pytest.mark.parametrize("build", kernel_builds())
 def test_glu_activations_match_their_definitions(build):
-    """Each build's GLU (the steps' pointwise act(gate) * up: SiLU, GELU-tanh, exact GELU) against
+    """Each build's GLU (the steps' pointwise act(gate) * up: SiLU, GELU-tanh, exact GELU; relu2) against
     float64 definitions; the SIMD exact GELU's erf (Abramowitz-Stegun 7.1.26, 1.5e-7) lanes and the
     scalar tail (erff) both covered, tails of +-40 where exp(-z^2) underflows included."""
     import math
@@ -671,4 +671,7 @@ def test_glu_activations_match_their_definitions(build):
         # relative 2e-5, plus fp32's cancellation in 1 + erf / 1 + tanh where the result is tiny
         bound = 2e-5 * ref.abs() + 1e-6 * (gd.abs() + 1) * ud.abs()
         assert ((out.double() - ref).abs() <= bound).all(), (act, ((out.double() - ref).abs() / bound).max())
-    assert lib.sq_glu(3, gu.data_ptr(), I, torch.empty(I).data_ptr()) == -1
+    out = torch.empty(I)  # relu2 (Nemotron-H): relu(u)^2 of one row, no gate
+    assert lib.sq_glu(3, g.float().contiguous().data_ptr(), I, out.data_ptr()) == 0
+    assert torch.equal(out, torch.relu(g.float()).square())
+    assert lib.sq_glu(4, gu.data_ptr(), I, torch.empty(I).data_ptr()) == -1

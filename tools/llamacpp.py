@@ -1,7 +1,10 @@
-"""llama.cpp comparison arms: a GGUF of any llama/qwen3/qwen3.5 HF checkpoint (speed only),
-requantized by llama.cpp's own quantizer (Qwen3.5: llama.cpp's ``qwen35`` layout, its norms stored
-as 1 + w and ssm_a as -exp(A_log) as its converter writes them; value heads are not reordered,
-so a checkpoint with fewer key than value heads runs with other values, at the same speed).
+"""llama.cpp comparison arms: a GGUF of any llama/qwen3/qwen3.5/LFM2/Granite 4.0-H HF checkpoint
+(speed only), requantized by llama.cpp's own quantizer (Qwen3.5: llama.cpp's ``qwen35`` layout, its
+norms stored as 1 + w and ssm_a as -exp(A_log) as its converter writes them; value heads are not
+reordered, so a checkpoint with fewer key than value heads runs with other values, at the same speed.
+LFM2: ``lfm2``, conv layers marked by 0 KV heads, the HF ``embedding_norm`` (the final norm) as
+``token_embd_norm``. Granite 4.0-H (dense FFN only): ``granitehybrid``, the fused shared MLP split
+into gate/up, ssm_a/ssm_d as [H, 1], ssm_norm as [G, d_inner/G], the multipliers as scale keys).
 
 ``python tools/llamacpp.py SRC_DIR OUT.gguf [FTYPE ...]`` writes ``OUT.gguf`` (F16, via
 gguf-py: standard tensor names, the model's real shapes and hyper-parameters, a stand-in
@@ -36,22 +39,74 @@ QWEN35_NAMES = {  # Qwen3.5: the post-attention (pre-MLP) norm and the Gated Del
 }
 
 
-def write_gguf(src: Path, out: Path) -> Path:
-    import gguf
-    import numpy as np
-    from safetensors import safe_open
+LFM2_NAMES = {  # LFM2: operator/ffn norms, the short-conv layers' tensors, out_proj, q/k layernorms, w1/w3/w2
+    "operator_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "conv.in_proj.weight": "shortconv.in_proj.weight", "conv.conv.weight": "shortconv.conv.weight",
+    "conv.out_proj.weight": "shortconv.out_proj.weight", "self_attn.out_proj.weight": "attn_output.weight",
+    "self_attn.q_layernorm.weight": "attn_q_norm.weight", "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+}
 
-    cfg = json.loads((src / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-            "Qwen3_5ForCausalLM": "qwen35"}.get(cfg["architectures"][0])
-    if arch is None:
-        sys.exit(f"llamacpp: only llama/qwen3/qwen3.5 checkpoints are supported, got {cfg['architectures'][0]}")
-    tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), arch)
-    w.add_name(src.name)
-    w.add_context_length(cfg.get("max_position_embeddings", 4096))
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
+
+GRANITE_H_NAMES = {  # Granite 4.0-H: the Mamba-2 layers' tensors and the shared MLP ([gate; up] fused)
+    "mamba.in_proj.weight": "ssm_in.weight", "mamba.conv1d.weight": "ssm_conv1d.weight",
+    "mamba.conv1d.bias": "ssm_conv1d.bias", "mamba.dt_bias": "ssm_dt.bias", "mamba.A_log": "ssm_a",
+    "mamba.D": "ssm_d", "mamba.norm.weight": "ssm_norm.weight", "mamba.out_proj.weight": "ssm_out.weight",
+    "shared_mlp.input_linear.weight": ("ffn_gate.weight", "ffn_up.weight"),
+    "shared_mlp.output_linear.weight": "ffn_down.weight",
+}
+
+
+def lfm2_ff(cfg: dict) -> int:
+    """LFM2's MLP width: block_ff_dim, auto-adjusted (2/3, multiplier, rounded up) as the converter does."""
+    ff = cfg.get("block_ff_dim") or cfg["intermediate_size"]
+    if cfg.get("block_auto_adjust_ff_dim"):
+        ff = int(float(cfg.get("block_ffn_dim_multiplier") or 1.0) * int(2 * ff / 3))
+        m = cfg.get("block_multiple_of", 256)
+        ff = m * ((ff + m - 1) // m)
+    return ff
+
+
+def hybrid_keys(w, arch: str, cfg: dict) -> None:
+    """lfm2 / granitehybrid metadata, the keys convert_hf_to_gguf.py writes (per-layer KV heads, 0 = recurrent)."""
+    n, nkv = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if arch == "lfm2":
+        attn = cfg.get("layer_types") or ["full_attention" if i in cfg["full_attn_idxs"] else "conv" for i in range(n)]
+        w.add_feed_forward_length(lfm2_ff(cfg))
+        w.add_head_count_kv([0 if t == "conv" else nkv for t in attn])
+        w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {})["rope_theta"]))
+        w.add_layer_norm_rms_eps(float(cfg.get("norm_eps", 1e-5)))
+        w.add_shortconv_l_cache(cfg.get("conv_L_cache", 3))
+        return
+    if cfg.get("num_local_experts"):
+        sys.exit("llamacpp: Granite 4.0-H with MoE experts is not supported (dense shared MLP only)")
+    attn = [t in ("attention", "full_attention") for t in cfg["layer_types"]]
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count_kv([nkv if a else 0 for a in attn])
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_expert_count(cfg.get("num_local_experts", 0))
+    w.add_expert_used_count(cfg.get("num_experts_per_tok", 0))
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    if cfg.get("rope_theta"):
+        w.add_rope_freq_base(float(cfg["rope_theta"]))
+    for key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
+                     ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+        if cfg.get(key):
+            add(float(cfg[key]))
+    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg.get("mamba_d_conv", 4))
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(cfg.get("mamba_n_groups", 1))
+    w.add_ssm_inner_size(cfg.get("mamba_expand", 2) * cfg["hidden_size"])
+    w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+    w.add_rope_scaling_finetuned(all(attn))  # granitehybrid's RoPE switch: off with Mamba layers
+
+
+def dense_keys(w, arch: str, cfg: dict) -> None:
+    """llama / qwen3 / qwen35 metadata."""
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
@@ -72,6 +127,29 @@ def write_gguf(src: Path, out: Path) -> Path:
         w.add_uint32(f"{arch}.ssm.inner_size", nv * dv)
         w.add_uint32(f"{arch}.full_attention_interval", cfg.get("full_attention_interval", 4))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+
+
+def write_gguf(src: Path, out: Path) -> Path:
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    cfg = json.loads((src / "config.json").read_text())
+    arch = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3_5ForCausalLM": "qwen35",
+            "Lfm2ForCausalLM": "lfm2", "GraniteMoeHybridForCausalLM": "granitehybrid"}.get(cfg["architectures"][0])
+    if arch is None:
+        sys.exit(f"llamacpp: only llama/qwen3/qwen3.5/lfm2/granite-4.0-h checkpoints are supported, "
+                 f"got {cfg['architectures'][0]}")
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(src.name)
+    w.add_context_length(2**20 if arch == "granitehybrid" else cfg.get("max_position_embeddings", 4096))  # no RoPE
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    if arch in ("lfm2", "granitehybrid"):
+        hybrid_keys(w, arch, cfg)
+    else:
+        dense_keys(w, arch, cfg)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     n_vocab = cfg["vocab_size"]
     w.add_tokenizer_model("llama")  # a stand-in SentencePiece-style vocabulary of the right size
@@ -93,24 +171,33 @@ def write_gguf(src: Path, out: Path) -> Path:
         return t.numpy().astype(np.float32 if as_f32 else np.float16)
 
     w.add_tensor("token_embd.weight", arr("model.embed_tokens.weight"))
-    names = {**NAMES, **QWEN35_NAMES} if arch == "qwen35" else NAMES
+    names = {**NAMES, **{"qwen35": QWEN35_NAMES, "lfm2": LFM2_NAMES, "granitehybrid": GRANITE_H_NAMES}.get(arch, {})}
     for i in range(cfg["num_hidden_layers"]):
         for hf, gg in names.items():
             name = f"model.layers.{i}.{hf}"
             if name not in tensors:
                 continue
-            small = hf.endswith(("norm.weight", "A_log", "dt_bias", "conv1d.weight"))
+            small = hf.endswith(("norm.weight", "A_log", "dt_bias", "conv1d.weight", "conv1d.bias", "mamba.D",
+                                 "conv.conv.weight"))
             t = arr(name, as_f32=small)
             if arch == "qwen35" and hf.endswith("norm.weight") and "linear_attn" not in hf:
                 t = t + 1.0  # llama.cpp's converter stores (1 + w) norms as 1 + w
             if hf.endswith("A_log"):
                 t = -np.exp(t)
-            if hf.endswith("conv1d.weight"):
+            if t.ndim == 3:  # depthwise conv [C, 1, K] -> [C, K]
                 t = t.reshape(t.shape[0], t.shape[-1])
-            w.add_tensor(f"blk.{i}.{gg}", t)
-    norm = arr("model.norm.weight", as_f32=True)
-    w.add_tensor("output_norm.weight", norm + 1.0 if arch == "qwen35" else norm)
-    if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", False):
+            if arch == "granitehybrid" and hf.endswith(("A_log", "mamba.D")):
+                t = t.reshape(-1, 1)
+            if hf == "mamba.norm.weight":
+                t = t.reshape(cfg.get("mamba_n_groups", 1), -1)
+            for g, part in zip(gg, np.split(t, 2)) if isinstance(gg, tuple) else [(gg, t)]:
+                w.add_tensor(f"blk.{i}.{g}", part)
+    if arch == "lfm2":  # LFM2's final norm is its embedding_norm, llama.cpp's token_embd_norm
+        w.add_tensor("token_embd_norm.weight", arr("model.embedding_norm.weight", as_f32=True))
+    else:
+        norm = arr("model.norm.weight", as_f32=True)
+        w.add_tensor("output_norm.weight", norm + 1.0 if arch == "qwen35" else norm)
+    if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", cfg.get("tie_embedding", False)):
         w.add_tensor("output.weight", arr("lm_head.weight"))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -35,7 +35,7 @@ BATCH_TILES_MIN_M = 16
 # shape 251 vs 239 tok/s; docs/performance.md)
 PREFILL_CHUNK = 512
 # ModelSpec.act -> sq_model.act (csrc/sq_abi.h)
-ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu2": 3}
 
 
 @dataclass
@@ -115,11 +115,9 @@ class Session(Rewind):
     vectors: name -> bf16 buffer (norms, the qkv bias); ropes: per layer (cos, sin) bf16
     [rope_len, rotary_dim]; kcache, vcache: per layer [(slots,) kv_heads, cap, head_dim], bf16, or
     int8 codes with kscale, vscale: per layer bf16 [(slots,) kv_heads, cap] (x = code * scale).
-    A Gated DeltaNet layer (``spec.mixers[i] == "gdn"``, shape ``spec.gdn``): linears qkv, gate
-    (z | b | a) and o; fp32 vectors layers.L.conv.weight [C, K], .a_log, .dt_bias [Hv],
-    .gnorm.weight [dv]; ``states[i]`` = (conv [slots, C, K - 1], recurrent [slots, Hv, dk, dv]),
-    fp32 (slot s: KV slot s, the one at kvoff s * kv_heads * cap * head_dim); no rope or KV cache
-    (None)."""
+    A recurrent layer (``spec.mixers[i]`` not attention: formats/mixers.py): its linears, fp32
+    parameters (vectors) and ``states[i]`` (its state buffers [slots, ...] in the mixer's order, fp32;
+    slot s: KV slot s, the one at kvoff s * kv_heads * cap * head_dim); no rope or KV cache (None)."""
 
     def __init__(self, lib, spec, linears: dict, vectors: dict, ropes: list, kcache, vcache, cap: int, *,
                  threads: int, attn_scale: float, embed_mult: float = 0.0, kscale=None, vscale=None,
@@ -141,7 +139,9 @@ class Session(Rewind):
             if spec.qkv_bias and mixers[i] == C.MIXER_ATTENTION:
                 qkv = CLinear(**{**qkv.__dict__, "bias": vectors[f"layers.{i}.qkv.bias"]})
             L.qkv = linear_struct(lib, qkv)
-            L.o, L.gate_up, L.down = (linear_struct(lib, linears[f"layers.{i}.{p}"]) for p in ("o", "gate_up", "down"))
+            L.o = linear_struct(lib, linears[f"layers.{i}.o"])
+            if f"layers.{i}.gate_up" in linears:  # (none: a layer without an MLP, gate_up.q NULL)
+                L.gate_up, L.down = (linear_struct(lib, linears[f"layers.{i}.{p}"]) for p in ("gate_up", "down"))
             for f in abi.LAYER_NORMS:
                 setattr(L, f, ptr(vectors.get(f"layers.{i}.{f}.weight")))
             L.mixer = abi.MIXERS[mixers[i]]

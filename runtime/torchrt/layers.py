@@ -82,7 +82,8 @@ def rope_cos_sin(spec: ModelSpec, layer: int, length: int) -> tuple[torch.Tensor
 
 # ModelSpec.act -> the MLP gate's activation
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
+    "silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu,
+    "relu2": lambda u: F.relu(u).square()}
 
 
 def activation(spec: ModelSpec) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -272,6 +273,9 @@ class Layers:
         return (o.reshape(*lead, s.heads, s.head_dim) * sg).reshape(o.shape)
 
     def glu(self, gu: torch.Tensor) -> torch.Tensor:
+        """the MLP between its products: act(gate) * up, or (no gate: relu2) act(up)"""
+        if not self.spec.gated_mlp:
+            return self.act(gu)
         g, u = gu.chunk(2, dim=-1)
         return self.act(g) * u
 

@@ -216,7 +216,8 @@ class Model:
         for i in range(s.layers):
             mix = self._attention if s.mixers[i] == C.MIXER_ATTENTION else self._recurrent
             x = lay.residual(x, mix(i, lay.attn_in(x, i), pos0), i, C.ROLE_O)
-            x = lay.residual(x, self._mlp(i, lay.mlp_in(x, i)), i, C.ROLE_DOWN)
+            if s.has_mlp(i):
+                x = lay.residual(x, self._mlp(i, lay.mlp_in(x, i)), i, C.ROLE_DOWN)
             if ple is not None or s.layer_scalar:
                 x = lay.ple_branch(x, i, None if ple is None else ple[:, i], self.lin.get(f"layers.{i}.{C.ROLE_PLE_GATE}"),
                                    self.lin.get(f"layers.{i}.{C.ROLE_PLE_PROJ}"))

@@ -176,7 +176,7 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                 const sq_layer *L = &m->layer[li];
                 sq_model lm_;
                 const sq_model *ml = layer_model(m, L, &lm_); /* its head dim (Gemma 4): D, the attention's */
-                const int64_t Dl = layer_hd(m, L), pf = part_floats(ml), Il = L->gate_up.n / 2, nh = rope_heads(ml, L);
+                const int64_t Dl = layer_hd(m, L), pf = part_floats(ml), Il = mlp_width(m, L), nh = rope_heads(ml, L);
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M; t++) {
                     rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * maxk);
@@ -283,20 +283,22 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                 for (int64_t t = 0; t < M; t++) {
                     add_residual(m, L->post_attn_norm, h + t * E, x + t * E);
                     rms_norm(x + t * E, L->mlp_norm, E, m->eps, off, xn + t * maxk);
-                    prep(&L->gate_up, xn + t * maxk, &a[t]);
+                    if (L->gate_up.q) prep(&L->gate_up, xn + t * maxk, &a[t]);
                 }
-                products_many(&L->gate_up, a, M, gu, 2 * I);
+                if (L->gate_up.q) { /* (none: a layer without an MLP) */
+                    products_many(&L->gate_up, a, M, gu, 2 * I);
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) {
-                    silu_mul(gu + t * 2 * I, Il, (int)m->act, mid + t * I);
-                    prep(&L->down, mid + t * I, &a[t]);
+                    for (int64_t t = 0; t < M; t++) {
+                        silu_mul(gu + t * 2 * I, Il, (int)m->act, mid + t * I);
+                        prep(&L->down, mid + t * I, &a[t]);
+                    }
+                    products_many(&L->down, a, M, h, E);
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) add_residual(m, L->post_mlp_norm, h + t * E, x + t * E);
                 }
-                products_many(&L->down, a, M, h, E);
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) {
-                    add_residual(m, L->post_mlp_norm, h + t * E, x + t * E);
+                for (int64_t t = 0; t < M; t++)
                     if (L->ple_gate.q) prep(&L->ple_gate, x + t * E, &a[t]);
-                }
                 if (L->ple_gate.q) { /* the per-layer input branch (Gemma 4), sq_step's per row */
                     products_many(&L->ple_gate, a, M, gu, 2 * I);
 #pragma omp for schedule(static)

@@ -229,6 +229,10 @@ static inline void silu_mul(const float *gu, int64_t I, int act, float *out) {
 #endif
     for (; i < I; i++) {
         const float g = gu[i];
+        if (act == 3) { /* relu2: squared ReLU of gu [I], no gate (Nemotron-H) */
+            out[i] = g > 0.f ? g * g : 0.f;
+            continue;
+        }
         out[i] = (act == 0 ? g / (1.f + expf(-g)) : act == 1 ? gelu_tanh(g) : gelu_erf(g)) * gu[I + i];
     }
 }

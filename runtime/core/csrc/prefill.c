@@ -84,7 +84,7 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
             const sq_layer *L = &m->layer[li];
             sq_model lm_;
             const sq_model *ml = layer_model(m, L, &lm_); /* its head dim (Gemma 4) */
-            const int64_t nq = L->qkv.n, Il = L->gate_up.n / 2, qd = ml->heads * ml->head_dim; /* its row widths */
+            const int64_t nq = L->qkv.n, Il = mlp_width(m, L), qd = ml->heads * ml->head_dim; /* its row widths */
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
             if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
@@ -108,12 +108,15 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
                 add_residual(m, L->post_attn_norm, xn + t * E, x + t * E);
                 rms_norm(x + t * E, L->mlp_norm, E, m->eps, off, xn + t * E);
             }
-            if ((rc = linear_many(&L->gate_up, xn, n, big, xt))) break;
+            if (L->gate_up.q) { /* (none: a layer without an MLP) */
+                const int64_t gw_ = L->gate_up.n; /* a product row: [gate | up], or up alone (relu2) */
+                if ((rc = linear_many(&L->gate_up, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < n; t++) silu_mul(big + t * 2 * Il, Il, (int)m->act, xn + t * Il);
-            if ((rc = linear_many(&L->down, xn, n, big, xt))) break;
+                for (int64_t t = 0; t < n; t++) silu_mul(big + t * gw_, Il, (int)m->act, xn + t * Il);
+                if ((rc = linear_many(&L->down, xn, n, big, xt))) break;
 #pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < n; t++) add_residual(m, L->post_mlp_norm, big + t * E, x + t * E);
+                for (int64_t t = 0; t < n; t++) add_residual(m, L->post_mlp_norm, big + t * E, x + t * E);
+            }
             if (L->ple_gate.q) { /* the per-layer input branch (Gemma 4): [g | ple_l] rows in att, act(g) * ple_l */
                 if ((rc = linear_many(&L->ple_gate, x, n, big, xt))) break;
 #pragma omp parallel for schedule(static)

@@ -128,10 +128,10 @@ int sq_linear_f32(const sq_linear *L, const float *x, float *y) {
     return ok ? 0 : -1;
 }
 
-/* out [I] = act(gate) * up of one token's gate_up product gu [2I] (the steps' pointwise GLU;
+/* out [I] = act(gate) * up of one token's gate_up product gu [2I], or relu(gu)^2 of gu [I] (act 3) (the steps' pointwise GLU;
  * act as sq_model.act): each build's version, for the tests against the portable one */
 int sq_glu(int64_t act, const float *gu, int64_t I, float *out) {
-    if (act < 0 || act > 2 || I < 0) return -1;
+    if (act < 0 || act > 3 || I < 0) return -1;
     silu_mul(gu, I, (int)act, out);
     return 0;
 }

@@ -51,7 +51,8 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1, MIXER_SCONV = 2, MIXER_MAMBA = 3 };
  * largest, and a KV slot's offset is in its units), kv_shared (1: qkv holds q rows only and the caches
  * are an earlier layer's, read, never written), scalar (the layer's output times it), and after the
  * MLP the per-layer input branch: x += norm(ple_proj(act(ple_gate x) * ple_l), ple_norm). The MLP
- * width is gate_up.n / 2 (the model's inter is the largest). */
+ * width is gate_up.n / 2 (the model's inter is the largest; act 3: gate_up.n, up rows alone); gate_up.q
+ * NULL: no MLP (the layer is its mixer and residual only). */
 #define SQ_LAYER_FIELDS(F)                                                                        \
     F(sq_linear, qkv) F(sq_linear, o) F(sq_linear, gate_up) F(sq_linear, down)                    \
     F(const uint16_t *, attn_norm) F(const uint16_t *, mlp_norm) F(const uint16_t *, post_attn_norm) \
@@ -63,7 +64,7 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1, MIXER_SCONV = 2, MIXER_MAMBA = 3 };
     F(double, scalar) F(sq_linear, ple_gate) F(sq_linear, ple_proj) F(const uint16_t *, ple_norm)                   \
     F(const float *, conv_b) F(const float *, ssm_d)
 
-/* the model: shape, act (0 SiLU, 1 GELU-tanh, 2 GELU (erf)), norm_offset (1: (1 + w) norms), refine_top (top
+/* the model: shape, act (0 SiLU, 1 GELU-tanh, 2 GELU (erf): gated MLPs; 3 relu2: relu(up)^2, no gate), norm_offset (1: (1 + w) norms), refine_top (top
  * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),
  * qk_norm_full (1: q_norm / k_norm span all heads' q [H*D] and k [KV*D], OLMo2; 0: per head),
  * embed_mult (0 = off), res_mult (the branch outputs' factor before the residual add, Granite;

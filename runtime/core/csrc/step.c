@@ -28,7 +28,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             const sq_layer *L = &m->layer[li];
             sq_model lm_;
             const sq_model *ml = layer_model(m, L, &lm_); /* its head dim (Gemma 4) */
-            const int64_t I = L->gate_up.n / 2;
+            const int64_t I = mlp_width(m, L);
 #pragma omp single
             {
                 rms_norm(x, L->attn_norm, E, m->eps, off, w->xn);
@@ -63,20 +63,21 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             {
                 add_residual(m, L->post_attn_norm, w->h, x);
                 rms_norm(x, L->mlp_norm, E, m->eps, off, w->xn);
-                prep(&L->gate_up, w->xn, &w->a);
+                if (L->gate_up.q) prep(&L->gate_up, w->xn, &w->a);
             }
-            products(&L->gate_up, &w->a, w->gu);
+            if (L->gate_up.q) { /* (a layer without an MLP: gate_up.q NULL, Nemotron-H's mixer blocks) */
+                products(&L->gate_up, &w->a, w->gu);
 #pragma omp single
-            {
-                silu_mul(w->gu, I, (int)m->act, w->mid);
-                prep(&L->down, w->mid, &w->a);
-            }
-            products(&L->down, &w->a, w->h);
+                {
+                    silu_mul(w->gu, I, (int)m->act, w->mid);
+                    prep(&L->down, w->mid, &w->a);
+                }
+                products(&L->down, &w->a, w->h);
 #pragma omp single
-            {
                 add_residual(m, L->post_mlp_norm, w->h, x);
-                if (L->ple_gate.q) prep(&L->ple_gate, x, &w->a);
             }
+#pragma omp single
+            if (L->ple_gate.q) prep(&L->ple_gate, x, &w->a);
             if (L->ple_gate.q) { /* the per-layer input branch (Gemma 4) */
                 products(&L->ple_gate, &w->a, w->gu);
 #pragma omp single

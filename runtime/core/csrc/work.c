@@ -26,6 +26,11 @@ static inline int64_t ssm_inner(const sq_model *m) { return m->ssm_heads * m->ss
 static inline int64_t ssm_c(const sq_model *m) { return ssm_inner(m) + 2 * m->ssm_groups * m->ssm_state; }
 static inline int64_t ssm_nz(const sq_model *m) { return ssm_inner(m) + m->ssm_heads; }
 
+/* a layer's MLP width: gate_up [gate | up] rows / 2, or its up rows alone (act 3, relu2: no gate) */
+static inline int64_t mlp_width(const sq_model *m, const sq_layer *L) {
+    return m->act == 3 ? L->gate_up.n : L->gate_up.n / 2;
+}
+
 /* a recurrent layer's row widths per token: its qkv product, its gate product (0: none), its output (o's input) */
 static inline void mix_widths(const sq_model *m, const sq_layer *L, int64_t *nq, int64_t *ng, int64_t *no) {
     *nq = *ng = *no = 0;
