@@ -41,10 +41,12 @@ BUNDLED = Path(__file__).parent / "data" / "calibration.txt"
 
 def uncalibrated(config: dict) -> str | None:
     """What in a config the calibration forward does not run (None: it runs the model): Gemma 4's
-    per-layer inputs and shared KV caches."""
+    per-layer inputs and shared KV caches, Falcon-H1's parallel layers."""
     c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     if c.get("hidden_size_per_layer_input") or c.get("num_kv_shared_layers"):
         return "per-layer inputs or shared KV caches (Gemma 4)"
+    if c.get("model_type") == "falcon_h1" or "FalconH1ForCausalLM" in (c.get("architectures") or ()):
+        return "parallel attention and Mamba-2 layers (Falcon-H1)"
     return None
 
 

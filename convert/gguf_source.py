@@ -1,7 +1,9 @@
 """GGUF input: tensors dequantized one at a time, mapped back to Hugging Face names.
 
 Every family sparkq runs: llama, mistral, qwen2, qwen3, gemma3, ..., qwen35 (Qwen3.5's Gated
-DeltaNet hybrid), in the tensor layout llama.cpp's converter writes. Where that converter changed
+DeltaNet hybrid), lfm2 (LFM2's short-conv hybrid) and granitehybrid (Granite 4.0-H's Mamba-2 hybrid,
+gguf_hybrids.py: its split shared MLP stacked, -exp(A_log) and the reshaped Mamba parameters
+undone), in the tensor layout llama.cpp's converter writes. Where that converter changed
 tensors, the change is undone so the result is the standard HF checkpoint: llama's q/k rows are
 permuted (interleaved RoPE halves); Gemma's and Qwen3.5's norm weights are stored as ``1 + w``;
 Qwen3.5's DeltaNet stores ``-exp(A_log)``, a squeezed conv weight and its value heads tiled
@@ -26,6 +28,7 @@ from sparkq.formats.tensorfile import TensorFileWriter
 from tqdm import tqdm
 
 from .errors import ConvertError
+from . import gguf_hybrids as hy
 from .gguf_qwen35 import qwen35_config, qwen35_maps
 from .gguf_tokenizer import tokenizer_files
 from .output import atomic_dir, carry_files
@@ -58,9 +61,10 @@ LAYER_MAPS = {  # GGUF block tensor -> HF module under model.layers.N, per archi
                "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
                "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
                "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
+    **hy.LAYER_MAPS,
 }
 # GGUF block tensors named whole (no .weight suffix to carry over) -> HF parameter under model.layers.N
-LAYER_WHOLE = {"qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}}
+LAYER_WHOLE = {"qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}, **hy.LAYER_WHOLE}
 GLOBAL_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF architecture -> (HF architecture, model_type, layer map, q/k permuted by llama.cpp, norms stored as 1 + w)
 ARCHS = {
@@ -74,13 +78,15 @@ ARCHS = {
     "granite": ("GraniteForCausalLM", "granite", "llama", True, False),  # (Granite 4.0 dense too, split MLP)
     "olmo2": ("Olmo2ForCausalLM", "olmo2", "olmo2", False, False),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", "qwen35", False, True),  # (the DeltaNet's ssm_norm: no 1 + w)
+    **hy.ARCHS,
 }
 # GGUF architectures llama.cpp writes with mixture-of-experts MLPs only: refused by name (its
 # qwen3next converter has no dense MLP tensors; a dense Qwen3-Next cannot be written by it)
 MOE_ARCHS = {"qwen3next": "Qwen3-Next", "qwen35moe": "Qwen3.5-MoE"}
 # tensors read as fp32, never rounded through bf16: the DeltaNet's own parameters, fp32 in the
 # artifact (formats/spec.py vector_dtype) and in Qwen3.5's checkpoints (A_log, norm)
-FP32_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight", "linear_attn.norm.weight")
+FP32_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight", "linear_attn.norm.weight",
+               *hy.FP32_PARAMS)
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # LongRoPE's, read into the config
 SMOLLM3_NOPE_STEP = 4  # llama.cpp: every 4th SmolLM3 layer has no RoPE (not stored in the file)
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: every 6th layer full attention (not stored in the file)
@@ -92,12 +98,12 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if whole and whole.group(2) in LAYER_WHOLE.get(arch, {}):
         return f"model.layers.{whole.group(1)}.{LAYER_WHOLE[arch][whole.group(2)]}"
     base, _, suffix = gguf_name.rpartition(".")
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)  # (lfm2: shortconv.in_proj)
     layer_map = LAYER_MAPS[ARCHS[arch][2]]
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}.{suffix}"
-    if base in GLOBAL_MAP:
-        return f"{GLOBAL_MAP[base]}.{suffix}"
+    if base in (glob := {**GLOBAL_MAP, **hy.GLOBAL_MAPS.get(arch, {})}):
+        return f"{glob[base]}.{suffix}"
     return None
 
 
@@ -121,6 +127,7 @@ class GGUFSource(Source):
                                "(ffn_*_exps tensors), which sparkq does not run; sparkq runs dense MLPs (qwen35: Qwen3.5)")
         if arch not in ARCHS:
             raise ConvertError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+        hy.refuse_moe(path, arch, self._field, [t.name for t in self.reader.tensors])
         self.arch = arch
         _, _, _, self.permuted, self.norm_shift = ARCHS[arch]
         self.tensors, self.rope_factors = {}, {}
@@ -138,6 +145,7 @@ class GGUFSource(Source):
                     continue
                 raise ConvertError(f"{path}: GGUF tensor {t.name!r} has no Hugging Face equivalent known to sparkq")
             self.tensors[name] = t
+        self.tensors = hy.stack_mlp(self.tensors)  # (Granite's shared MLP: ffn_gate and ffn_up as one)
         config = self._config()
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in self.tensors.items()}
@@ -147,6 +155,7 @@ class GGUFSource(Source):
                 if n.endswith("linear_attn.conv1d.weight") and len(shapes[n]) == 2:  # squeezed by llama.cpp
                     shapes[n] = (shapes[n][0], 1, shapes[n][1])
             self.row_map, self.col_map = qwen35_maps(config, shapes)
+        hy.hf_shapes(shapes)
         super().__init__(config=config, shapes=shapes,
                          origin={"kind": "gguf", "id": path.name, "name": self._field("general.name", None),
                                  **({"license": lic} if (lic := self._field("general.license", None)) else {})},
@@ -190,7 +199,9 @@ class GGUFSource(Source):
             "intermediate_size": int(self._field(f"{a}.feed_forward_length")),
             "num_hidden_layers": layers,
             "num_attention_heads": heads,
-            "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
+            # (lfm2 / granitehybrid: a count per layer, 0 for the recurrent layers)
+            "num_key_value_heads": max(kv) if isinstance(kv := self._field(f"{a}.attention.head_count_kv", heads),
+                                       list) else int(kv),
             "head_dim": head_dim,
             # (a float32 in the file: its shortest decimal, the checkpoint's 1e-05 rather than 9.9999997e-06)
             "rms_norm_eps": float(str(np.float32(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)))),
@@ -231,6 +242,8 @@ class GGUFSource(Source):
                     config[hf] = float(v)
         elif a == "qwen35":
             qwen35_config(self._field, a, config, self.tensors)
+        elif a in hy.ARCHS:
+            hy.hybrid_config(self._field, a, config, self.tensors)
         if a in ("llama", "mistral"):
             config.update(attention_bias=False, mlp_bias=False)
             if a == "mistral":
@@ -269,19 +282,17 @@ class GGUFSource(Source):
         self._cache = None
 
     def _dequant(self, name: str) -> torch.Tensor:
-        from gguf import quants
-
         if self._cache and self._cache[0] == name:
             return self._cache[1]
         t = self.tensors[name]
         rows = t.data.shape[0] if t.data.ndim > 1 else 1
-        arr = quants.dequantize(self._raw(t, 0, rows), t.tensor_type).astype(np.float32, copy=False)
+        arr = self._deq(t, 0, rows).astype(np.float32, copy=False)
         arr = arr.reshape(self.shapes[name])
         if name in self.row_map:
             arr = arr[self.row_map[name]]
         if name in self.col_map:
             arr = arr[:, self.col_map[name]]
-        if self.arch == "qwen35" and name.endswith("linear_attn.A_log"):
+        if name.endswith(hy.NEG_EXP):
             arr = np.log(-arr)  # ssm_a = -exp(A_log)
         if self.permuted and name.endswith("self_attn.q_proj.weight"):
             arr = unpermute(arr, self.heads)
@@ -302,18 +313,24 @@ class GGUFSource(Source):
         return self.norm_shift and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
 
     def fp32(self, name: str) -> bool:
-        """A tensor read (and imported) as fp32: the DeltaNet's parameters."""
-        return self.arch == "qwen35" and name.endswith(FP32_PARAMS)
+        """A tensor read (and imported) as fp32: the DeltaNet's and Mamba-2's parameters."""
+        return name.endswith(FP32_PARAMS)
+
+    def _deq(self, t, a: int, b: int) -> np.ndarray:
+        """Rows [a, b) of tensor t dequantized (a Stacked pair part by part)."""
+        from gguf import quants
+
+        if isinstance(t, hy.Stacked):
+            return np.concatenate([self._deq(p, a0, b0) for p, a0, b0 in t.spans(a, b)])
+        return quants.dequantize(self._raw(t, a, b), t.tensor_type)
 
     def _rows(self, t, idx: np.ndarray) -> np.ndarray:
         """The dequantized GGUF rows idx of tensor t, [len(idx), row], each run of consecutive rows
         read at once."""
-        from gguf import quants
-
         parts = []
         for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):
             a, b = int(run[0]), int(run[-1]) + 1
-            arr = quants.dequantize(self._raw(t, a, b), t.tensor_type)
+            arr = self._deq(t, a, b)
             parts.append(arr.astype(np.float32, copy=False).reshape(b - a, -1))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 

@@ -24,7 +24,7 @@ _QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|
                  r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_SPLITS = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT,
               "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-              "smaug-bpe": _LLAMA3_SPLIT}
+              "smaug-bpe": _LLAMA3_SPLIT, "lfm2": _LLAMA3_SPLIT}  # (llama.cpp: lfm2 is its Llama-3 split)
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (gguf.TokenType)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 

@@ -16,7 +16,7 @@ import torch
 from sparkq.formats import constants as C
 from sparkq.formats.recipe import SpecError, text_model_view, wrapper_architecture
 from sparkq.formats.tensorfile import TensorFileError, read_header
-from sparkq.formats.views import runs_between, views
+from sparkq.formats.views import runs_between, scaled, views
 from sparkq.runtime.hub import HubError, is_repo_id, snapshot, split_repo
 
 from .errors import ConvertError
@@ -189,11 +189,11 @@ class ViewSource(Source):
     def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
         if name not in self.views:
             return self.base.read_rows(name, r0, r1)
-        parts = [self.base.read_rows(n, a, b) for n, a, b in runs_between(self.views[name][1], r0, r1)]
+        parts = [scaled(self.base.read_rows(r[0], r[1], r[2]), r) for r in runs_between(self.views[name][1], r0, r1)]
         return torch.cat(parts) if parts else torch.empty(0, *self.views[name][0][1:])
 
     def nbytes(self, name: str) -> int:
-        return sum(self.base.nbytes(n) * (b - a) // self.base.shapes[n][0] for n, a, b in self.views[name][1]) \
+        return sum(self.base.nbytes(r[0]) * (r[2] - r[1]) // self.base.shapes[r[0]][0] for r in self.views[name][1]) \
             if name in self.views else self.base.nbytes(name)
 
     def close(self) -> None:

@@ -102,7 +102,11 @@ HEAD_ROLES = (ROLE_LM_HEAD, ROLE_EMBED)  # the (tied) embedding/head
 ROLE_PLE_EMBED, ROLE_PLE_MODEL, PLE_IN_NORM = "ple_embed", "ple_model", "ple_in_norm.weight"
 ROLE_PLE_GATE, ROLE_PLE_PROJ, PLE_NORM, LAYER_SCALAR = "ple_gate", "ple_proj", "ple_norm", "layer_scalar"
 ROW_READ = (ROLE_PLE_EMBED,)  # linears read a row per token from the mapping (artifact.py advises them so)
-ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES + (ROLE_PLE_EMBED, ROLE_PLE_MODEL, ROLE_PLE_GATE, ROLE_PLE_PROJ)
+# a parallel layer's Mamba-2 branch (Falcon-H1: attention and Mamba-2 side by side on one normed input):
+# its in_proj's x | B | C rows, its z | dt rows, its out_proj
+ROLE_SSM_IN, ROLE_SSM_GATE, ROLE_SSM_OUT = "ssm_in", "ssm_gate", "ssm_out"
+ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES + (ROLE_PLE_EMBED, ROLE_PLE_MODEL, ROLE_PLE_GATE, ROLE_PLE_PROJ,
+                                                     ROLE_SSM_IN, ROLE_SSM_GATE, ROLE_SSM_OUT)
 LAYER_NORMS = ("attn_norm", "mlp_norm")
 # the multi-token-prediction block (see above): its input projection and norms, its layers' prefix
 MTP_FC, MTP_NORM, MTP_ENORM, MTP_HNORM = "mtp.fc", "mtp.norm.weight", "mtp.enorm.weight", "mtp.hnorm.weight"
@@ -117,6 +121,7 @@ GDN_CONV, GDN_A_LOG, GDN_DT_BIAS, GDN_NORM = "conv.weight", "a_log", "dt_bias", 
 GDN_PARAMS = (GDN_CONV, GDN_A_LOG, GDN_DT_BIAS, GDN_NORM)
 MIXER_SCONV = "sconv"          # a gated short convolution: B, C, x; C * conv(B * x) (LFM2, LFM3)
 MIXER_MAMBA = "mamba2"         # Mamba-2: conv over x | B | C, a selective state per head, a gated norm (Granite 4.0-H)
+MIXER_PARALLEL = "parallel"    # attention and Mamba-2 side by side, both from the layer's normed input (Falcon-H1)
 # their parameters besides the conv weight, a_log, dt_bias and gnorm above (fp32, as GDN's)
 CONV_BIAS, SSM_D = "conv.bias", "d"
 MIXER_PARAMS = GDN_PARAMS + (CONV_BIAS, SSM_D)  # every mixer's fp32 parameter names (layers.L.<name>)

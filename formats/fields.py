@@ -129,7 +129,25 @@ def _nemotron_h(cfg: dict) -> dict:
     return out
 
 
-CONFIG_VIEWS = {"lfm2": _lfm, "lfm3": _lfm, "nemotron_h": _nemotron_h}  # recipe family -> its config as spec.py reads it
+def _falcon_h1(cfg: dict) -> dict:
+    """Falcon-H1: every layer a parallel one (attention and Mamba-2 side by side); its lm_head_multiplier as
+    the logits' divisor. The other multipliers scale rows of its linears (formats/views.py _falcon_h1)."""
+    for key in ("projectors_bias", "mamba_proj_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise SpecError(f"config.json: {key}=true (biases on the projections) is not implemented")
+    if cfg.get("mamba_use_mlp") is False:
+        raise SpecError("config.json: mamba_use_mlp=false (layers without an MLP) is not implemented for falcon_h1")
+    out = dict(cfg)
+    n = cfg.get("num_hidden_layers")
+    out["layer_types"] = ["parallel"] * n if isinstance(n, int) else []
+    mult = cfg.get("lm_head_multiplier", 1.0)
+    if not isinstance(mult, (int, float)) or mult <= 0:
+        raise SpecError(f"config.json: lm_head_multiplier={mult!r} must be a positive number")
+    out["logits_scaling"] = 1.0 / float(mult)
+    return out
+
+
+CONFIG_VIEWS = {"lfm2": _lfm, "lfm3": _lfm, "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1}  # recipe family -> its config as spec.py reads it
 
 
 def _gate_width(cfg: dict, gate: str) -> int:

@@ -109,7 +109,7 @@ class SSMShape:
     conv_kernel: int
     conv_bias: bool
     norm_eps: float
-    norm_groups: int  # the gated norm's groups (Granite: n_groups)
+    norm_groups: int  # the gated norm's groups (Granite: n_groups); 0: no norm, y * silu(z) (Falcon-H1's mamba_rms_norm false)
 
     @property
     def inner(self) -> int:
@@ -124,7 +124,7 @@ class SSMShape:
 def ssm_shape(cfg: dict, eps: float) -> SSMShape | None:
     """The Mamba-2 geometry where the config has mamba layers (None otherwise; the config's mamba_*
     fields, transformers' GraniteMoeHybridConfig defaults)."""
-    if "mamba" not in (cfg.get("layer_types") or ()):
+    if not {"mamba", "parallel"} & set(cfg.get("layer_types") or ()):
         return None
     hidden = int(cfg["hidden_size"])
     heads, groups = cfg.get("mamba_n_heads", 128), cfg.get("mamba_n_groups", 1)
@@ -149,9 +149,13 @@ def ssm_shape(cfg: dict, eps: float) -> SSMShape | None:
         raise SpecError(f"config.json: time_step_limit {lim!r} (clamped time steps) is not implemented; sparkq runs (0, inf)")
     if cfg.get("mamba_proj_bias"):
         raise SpecError("config.json: mamba_proj_bias=true (biases on the Mamba projections) is not implemented")
+    if cfg.get("mamba_rms_norm", True) and cfg.get("mamba_norm_before_gate") is True:
+        raise SpecError("config.json: mamba_norm_before_gate=true with mamba_rms_norm (the norm before the gate) "
+                        "is not implemented; sparkq runs the gate, then the norm")
     g = SSMShape(heads=heads, head_dim=d_head, state=int(cfg.get("mamba_d_state", 256)), groups=groups,
                  conv_kernel=int(cfg.get("mamba_d_conv", 4)), conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-                 norm_eps=float(eps or cfg.get("rms_norm_eps", 1e-6)), norm_groups=groups)
+                 norm_eps=float(eps or cfg.get("rms_norm_eps", 1e-6)),
+                 norm_groups=groups if cfg.get("mamba_rms_norm", True) else 0)
     if not 2 <= g.conv_kernel <= 16:
         raise SpecError(f"config.json: mamba_d_conv {g.conv_kernel} is out of range (2..16)")
     if g.state % 8 or g.head_dim % 8:
@@ -222,7 +226,18 @@ def _mamba_params(s: "ModelSpec") -> dict:
     out = {C.GDN_CONV: (g.conv_dim, g.conv_kernel)}
     if g.conv_bias:
         out[C.CONV_BIAS] = (g.conv_dim,)
-    return {**out, C.GDN_A_LOG: (g.heads,), C.GDN_DT_BIAS: (g.heads,), C.SSM_D: (g.heads,), C.GDN_NORM: (g.inner,)}
+    out.update({C.GDN_A_LOG: (g.heads,), C.GDN_DT_BIAS: (g.heads,), C.SSM_D: (g.heads,)})
+    return {**out, C.GDN_NORM: (g.inner,)} if g.norm_groups else out
+
+
+def _parallel_linears(s: "ModelSpec", i: int | None = None) -> dict:
+    """attention's linears, then the Mamba-2 branch's under its own roles"""
+    m = _mamba_linears(s, i)
+    return {**_attn_linears(s, i), C.ROLE_SSM_GATE: m[C.ROLE_GATE], C.ROLE_SSM_IN: m[C.ROLE_QKV], C.ROLE_SSM_OUT: m[C.ROLE_O]}
+
+
+def _mamba_state(s: "ModelSpec") -> dict:
+    return {"conv": (s.ssm.conv_dim, s.ssm.conv_kernel - 1), "recurrent": (s.ssm.heads, s.ssm.head_dim, s.ssm.state)}
 
 
 MIXERS: dict[str, Mixer] = {
@@ -233,9 +248,11 @@ MIXERS: dict[str, Mixer] = {
     C.MIXER_SCONV: Mixer(C.MIXER_SCONV, ("conv",), 2, _sconv_linears, _mixer_norms,
                          lambda s: {C.GDN_CONV: (s.sconv.channels, s.sconv.kernel)},
                          lambda s: {"conv": (s.sconv.channels, s.sconv.kernel - 1)}, "sconv"),
-    C.MIXER_MAMBA: Mixer(C.MIXER_MAMBA, ("mamba",), 3, _mamba_linears, _mixer_norms, _mamba_params,
-                         lambda s: {"conv": (s.ssm.conv_dim, s.ssm.conv_kernel - 1),
-                                    "recurrent": (s.ssm.heads, s.ssm.head_dim, s.ssm.state)}, "mamba"),
+    C.MIXER_MAMBA: Mixer(C.MIXER_MAMBA, ("mamba",), 3, _mamba_linears, _mixer_norms, _mamba_params, _mamba_state,
+                         "mamba"),
+    # (a KV cache as attention's and a state as Mamba's: ModelSpec.kv_layers holds it)
+    C.MIXER_PARALLEL: Mixer(C.MIXER_PARALLEL, ("parallel",), 4, _parallel_linears, lambda s, i: s.layer_norms(i),
+                            _mamba_params, _mamba_state, "mamba"),
 }
 BY_LAYER_TYPE = {t: m for m in MIXERS.values() for t in m.layer_types}
 
@@ -255,6 +272,8 @@ def recurrent_widths(spec: "ModelSpec") -> tuple[int, int]:
     for i, name in enumerate(spec.mixers):
         if MIXERS[name].state(spec):
             lin = MIXERS[name].linears(spec, i)
+            if C.ROLE_SSM_IN in lin:  # (a parallel layer: its Mamba-2 branch's)
+                return lin[C.ROLE_SSM_IN][0], lin[C.ROLE_SSM_GATE][0]
             return lin[C.ROLE_QKV][0], lin[C.ROLE_GATE][0] if C.ROLE_GATE in lin else 0
     return 0, 0
 

@@ -81,7 +81,11 @@ class ModelSpec:
     def kv_layers(self) -> tuple[int, ...]:
         """The layers with a KV cache of their own (attention, not sharing another's); the runtimes'
         caches hold these, in order."""
-        return tuple(i for i, m in enumerate(self.mixers) if m == C.MIXER_ATTENTION and self.owns_kv(i))
+        return tuple(i for i, m in enumerate(self.mixers) if self.has_attention(i) and self.owns_kv(i))
+
+    def has_attention(self, i: int) -> bool:
+        """whether layer i attends over a KV cache (attention, or a parallel layer's attention branch)"""
+        return self.mixers[i] in (C.MIXER_ATTENTION, C.MIXER_PARALLEL)
 
     def hd(self, i: int | None) -> int:
         """layer i's head dim"""
@@ -111,9 +115,7 @@ class ModelSpec:
 
     def block(self, i: int, role: str) -> int:
         """the checkpoint block (layer prefix index) holding layer i's tensor of ``role``"""
-        if not self.blocks:
-            return i
-        return self.blocks[i][1] if role in (C.ROLE_GATE_UP, C.ROLE_DOWN, "mlp_norm") else self.blocks[i][0]
+        return i if not self.blocks else self.blocks[i][1 if role in (C.ROLE_GATE_UP, C.ROLE_DOWN, "mlp_norm") else 0]
 
     def roles(self, i: int) -> tuple[str, ...]:
         """Layer i's linears, in the order the layer runs them (a gate reads the mixer's input)."""
@@ -286,7 +288,7 @@ class ModelSpec:
             raise SpecError("config.json: rms_norm_eps and rope_theta must be positive")
         _check_implemented(cfg, spec)
         known = {"full_attention", "sliding_attention"} | ({"linear_attention"} if spec.gdn else set()) | (
-            {"conv"} if spec.sconv else set()) | ({"mamba"} if spec.ssm else set())
+            {"conv"} if spec.sconv else set()) | ({"mamba", "parallel"} if spec.ssm else set())
         if spec.layer_types and (len(spec.layer_types) != spec.layers or set(spec.layer_types) - known):
             raise SpecError(f"config.json: layer_types must list {'/'.join(sorted(known))} for every layer")
         if "sliding_attention" in spec.layer_types and not spec.sliding_window:
@@ -358,9 +360,9 @@ class ModelSpec:
                 return [g.key_dim, g.key_dim, g.value_dim]
             if role == C.ROLE_GATE:
                 return [g.value_dim, g.v_heads, g.v_heads]
-        if mixer == C.MIXER_MAMBA and role in (C.ROLE_QKV, C.ROLE_GATE):
+        if (mixer == C.MIXER_MAMBA and role in (C.ROLE_QKV, C.ROLE_GATE)) or role in (C.ROLE_SSM_IN, C.ROLE_SSM_GATE):
             g = self.ssm
-            return [g.conv_dim] if role == C.ROLE_QKV else [g.inner, g.heads]
+            return [g.conv_dim] if role in (C.ROLE_QKV, C.ROLE_SSM_IN) else [g.inner, g.heads]
         if mixer == C.MIXER_SCONV and role == C.ROLE_QKV:
             return [3 * self.sconv.channels]
         i = int(name.split(".")[1]) if name.startswith("layers.") else None

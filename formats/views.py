@@ -4,7 +4,7 @@ recipe's roles, a view names a new tensor as rows of existing ones, in order. Th
 them; recipes name them like any tensor."""
 from __future__ import annotations
 
-Runs = list  # [(source tensor name, first row, end row)] concatenated in order
+Runs = list  # [(source tensor name, first row, end row[, scale])] concatenated in order
 
 
 def _qwen3_5(config: dict, shapes: dict) -> dict:
@@ -62,8 +62,37 @@ def _nemotron_h(config: dict, shapes: dict) -> dict:
     return _mamba_in_proj(shapes, "mixer.in_proj.weight", heads, heads * int(config.get("mamba_head_dim", 64)))
 
 
+def _falcon_h1(config: dict, shapes: dict) -> dict:
+    """Falcon-H1's multipliers as scaled rows (each run's fourth value): in_proj's z | x | B | C | dt by
+    ssm_in_multiplier times its ssm_multipliers ([z | x B C | dt] views as Granite's), out_proj by
+    ssm_out_multiplier, q / k / v by attention_in_multiplier (k also by key_multiplier), o by
+    attention_out_multiplier, the MLP's gate and down by mlp_multipliers: ``<name>:s``."""
+    f = lambda k, d=1.0: float(config.get(k, d))  # noqa: E731
+    m = [float(x) for x in config.get("ssm_multipliers") or [1.0] * 5]
+    gm, dm = [float(x) for x in config.get("mlp_multipliers") or [1.0, 1.0]]
+    g, n = int(config.get("mamba_n_groups", 1)), int(config.get("mamba_d_state", 256))
+    inner = int(config.get("mamba_d_ssm") or int(config.get("mamba_expand", 2)) * int(config["hidden_size"]))
+    s_in, ain = f("ssm_in_multiplier"), f("attention_in_multiplier")
+    scale = {"mamba.out_proj.weight": f("ssm_out_multiplier"), "self_attn.q_proj.weight": ain,
+             "self_attn.k_proj.weight": ain * f("key_multiplier"), "self_attn.v_proj.weight": ain,
+             "self_attn.o_proj.weight": f("attention_out_multiplier"), "feed_forward.gate_proj.weight": gm,
+             "feed_forward.down_proj.weight": dm}
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("mamba.in_proj.weight"):
+            cuts = [0, inner, 2 * inner, 2 * inner + g * n, 2 * inner + 2 * g * n, shape[0]]
+            runs = [(name, cuts[j], cuts[j + 1], s_in * m[j]) for j in range(5)]
+            out[name + ":z"] = ((inner, *shape[1:]), runs[:1])
+            out[name + ":xbc"] = ((cuts[4] - inner, *shape[1:]), runs[1:4])
+            out[name + ":dt"] = ((shape[0] - cuts[4], *shape[1:]), runs[4:])
+        for suffix, k in scale.items():
+            if name.endswith(suffix):
+                out[name + ":s"] = (shape, [(name, 0, shape[0], k)])
+    return out
+
+
 VIEWS = {"qwen3_5": _qwen3_5, "olmo_hybrid": _olmo_hybrid, "granitemoehybrid": _granite_hybrid,
-         "nemotron_h": _nemotron_h}  # recipe family -> its views
+         "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1}  # recipe family -> its views
 
 
 def views(family: str, config: dict, shapes: dict) -> dict[str, tuple[tuple, Runs]]:
@@ -74,9 +103,14 @@ def views(family: str, config: dict, shapes: dict) -> dict[str, tuple[tuple, Run
 def runs_between(runs: Runs, r0: int, r1: int) -> Runs:
     """The runs covering rows [r0, r1) of a view."""
     out, base = [], 0
-    for name, a, b in runs:
+    for name, a, b, *scale in runs:  # (a run may carry a scale: its rows times it)
         lo, hi = max(r0, base), min(r1, base + b - a)
         if lo < hi:
-            out.append((name, a + lo - base, a + hi - base))
+            out.append((name, a + lo - base, a + hi - base, *scale))
         base += b - a
     return out
+
+
+def scaled(t, run):
+    """a run's rows t, times the run's scale where it has one (in fp32, rounded back once)"""
+    return t if len(run) < 4 or run[3] == 1.0 else (t.float() * run[3]).to(t.dtype)

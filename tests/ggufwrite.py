@@ -1,8 +1,9 @@
 """Tiny GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, from the tiny HF
-checkpoints of helpers.make_llama and helpers.make_hybrid (Qwen3.5): the same architecture names,
-tensor names, q/k permutation (llama), ``1 + w`` norms (gemma3, qwen35), Qwen3.5's DeltaNet
-transforms (``-exp(A_log)``, the squeezed conv, value heads tiled), metadata keys and tokenizer
-fields. Written with gguf-py's own
+checkpoints of helpers.make_llama, helpers.make_hybrid (Qwen3.5) and ssm_models.make_ssm (LFM2,
+Granite 4.0-H): the same architecture names, tensor names, q/k permutation (llama, granite), ``1 + w``
+norms (gemma3, qwen35), Qwen3.5's DeltaNet transforms (``-exp(A_log)``, the squeezed conv, value
+heads tiled), LFM2's and Granite 4.0-H's (per-layer KV head counts, squeezed convs, the shared MLP
+split, ``-exp(A_log)``, A and D as [H, 1], the grouped norm), metadata keys and tokenizer fields. Written with gguf-py's own
 writer; the tests read them with sparkq and with transformers' GGUF loader."""
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
              "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
              "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
              "GraniteMoeHybridForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
-             "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35"}
-PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's q/k row permutation (LlamaModel.permute)
+             "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35", "Lfm2ForCausalLM": "lfm2"}
+PERMUTED = ("llama", "smollm3", "granite", "granitehybrid")  # llama.cpp's q/k row permutation (LlamaModel.permute)
 LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
@@ -28,6 +29,15 @@ LAYER_GEMMA = {**LAYER, "post_attention_layernorm": "post_attention_norm", "pre_
 LAYER_PHI3 = {**LAYER_LLAMA, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 LAYER_OLMO2 = {**LAYER, "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 LAYER_GRANITE4 = {**LAYER_LLAMA, "shared_mlp.output_linear": "ffn_down"}  # input_linear: split into ffn_gate, ffn_up
+# Granite 4.0-H's Mamba-2 layers (GraniteHybridModel / Mamba2Model); A_log, D, dt_bias: GRANITE_H_WHOLE
+LAYER_GRANITE_H = {**LAYER_GRANITE4, "mamba.in_proj": "ssm_in", "mamba.conv1d": "ssm_conv1d", "mamba.norm": "ssm_norm",
+                   "mamba.out_proj": "ssm_out"}
+GRANITE_H_WHOLE = {"mamba.A_log": "ssm_a", "mamba.D": "ssm_d", "mamba.dt_bias": "ssm_dt.bias"}
+LAYER_LFM2 = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
+              "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+              "conv.in_proj": "shortconv.in_proj", "conv.conv": "shortconv.conv", "conv.out_proj": "shortconv.out_proj",
+              "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down"}
 # Qwen3.5 (conversion/qwen.py Qwen3_5TextModel): HF module under model.layers.N -> GGUF block tensor
 LAYER_QWEN35 = {**LAYER, "post_attention_layernorm": "post_attention_norm",
                 "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
@@ -106,6 +116,40 @@ def qwen35_tensors(tensors: dict, cfg: dict, mtp: int = 0, seed: int = 0) -> dic
     return out
 
 
+def _exp(t: np.ndarray) -> np.ndarray:
+    """exp as llama.cpp's converter computes it (torch's float32 exp, to the last bit)."""
+    import torch
+    return torch.exp(torch.from_numpy(np.ascontiguousarray(t, np.float32))).numpy()
+
+
+def lfm2_ff(cfg: dict) -> int:
+    """LFM2Model._add_feed_forward_length: the MLP width, auto-adjusted as Lfm2MLP does."""
+    ff = cfg.get("block_ff_dim") or cfg["intermediate_size"]
+    if cfg["block_auto_adjust_ff_dim"]:
+        ff = int(2 * ff / 3)
+        if cfg["block_ffn_dim_multiplier"] is not None:
+            ff = int(cfg["block_ffn_dim_multiplier"] * ff)
+        ff = cfg["block_multiple_of"] * ((ff + cfg["block_multiple_of"] - 1) // cfg["block_multiple_of"])
+    return ff
+
+
+def hybrid_keys(w, arch: str, cfg: dict) -> None:
+    """The keys LFM2Model and GraniteHybridModel.set_gguf_parameters add to the common ones."""
+    w.add_vocab_size(cfg["vocab_size"])
+    if arch == "lfm2":
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+        return
+    w.add_expert_count(cfg.get("num_local_experts", 0))
+    w.add_expert_used_count(cfg.get("num_experts_per_tok", 0))
+    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_expand"] * cfg["hidden_size"])
+    w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+    w.add_rope_scaling_finetuned(False)  # (RoPE off: the model has Mamba layers and is not Bamba)
+
+
 def spm_vocab(size: int, gemma: bool) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary: control tokens, 256 byte tokens, then pieces whose merges
     build a few English words (scores fall with the index, as sentencepiece writes them)."""
@@ -152,6 +196,10 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     cfg = json.loads((src / "config.json").read_text())
     hf_arch = cfg["architectures"][0]
     arch = GGUF_ARCH[hf_arch]
+    attn_types = ("attention", "full_attention")
+    if hf_arch == "GraniteMoeHybridForCausalLM" and any(t not in attn_types for t in cfg["layer_types"]):
+        arch = "granitehybrid"  # (GraniteHybridModel writes granite when no layer is Mamba)
+    hybrid = arch in ("lfm2", "granitehybrid")
     gemma = arch == "gemma3"
     spm = hf_arch in ("MistralForCausalLM", "Gemma3ForCausalLM") if spm is None else spm
     tensors = {}
@@ -167,15 +215,19 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")  # transformers would read a "mistral" in the name as an architecture gguf-py lacks
-    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_context_length(2**20 if arch == "granitehybrid" else cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"] + (mtp if qwen35 else 0))
-    w.add_feed_forward_length(cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
+    w.add_feed_forward_length(lfm2_ff(cfg) if arch == "lfm2" else cfg["intermediate_size"] if hybrid
+                              else cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    # (LFM2 and Granite 4.0-H: per layer, 0 for a conv / Mamba layer)
+    w.add_head_count_kv([kv if t in attn_types else 0 for t in cfg["layer_types"]] if hybrid else kv)
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps") or cfg["norm_eps"]))
     rp = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rp["rope_theta"] if qwen35 else cfg.get("rope_theta", 10000.0)))
+    w.add_rope_freq_base(float(rp["rope_theta"] if qwen35 or hybrid else cfg.get("rope_theta", 10000.0)))
+    if hybrid:
+        hybrid_keys(w, arch, cfg)
     if arch in PERMUTED:
         w.add_rope_dimension_count(head_dim)
     if qwen35:  # Qwen3NextModel / _Qwen35MRopeMixin / _Qwen35MtpMixin.set_gguf_parameters
@@ -197,7 +249,7 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
             w.add_rope_scaling_orig_ctx_len(orig)
             scale = cfg["max_position_embeddings"] / orig
             w.add_rope_scaling_attn_factors(1.0 if scale <= 1 else (1 + np.log(scale) / np.log(orig)) ** 0.5)
-    if arch == "granite":  # GraniteModel.set_gguf_parameters
+    if arch in ("granite", "granitehybrid"):  # GraniteModel.set_gguf_parameters
         for key, add in (("embedding_multiplier", w.add_embedding_scale), ("residual_multiplier", w.add_residual_scale),
                          ("attention_multiplier", w.add_attention_scale), ("logits_scaling", w.add_logit_scale)):
             if cfg.get(key) is not None:
@@ -242,14 +294,18 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     w.add_chat_template(CHAT_TEMPLATE)
     layer_map = {"gemma3": LAYER_GEMMA, "phi3": LAYER_PHI3, "olmo2": LAYER_OLMO2}.get(arch, LAYER_LLAMA)
     if hf_arch == "GraniteMoeHybridForCausalLM":
-        layer_map = LAYER_GRANITE4
+        layer_map = LAYER_GRANITE_H if arch == "granitehybrid" else LAYER_GRANITE4
+    if arch == "lfm2":
+        layer_map = LAYER_LFM2
 
     def put(name, arr):
         arr = np.ascontiguousarray(arr.astype(np.float32))
         if name.endswith("norm.weight") and gemma:
             arr = arr + 1.0  # Gemma3Model.modify_tensors: norms stored as 1 + w
-        # (Qwen3.5's squeezed conv stays F32, as llama.cpp keeps it)
-        if arr.ndim == 2 and qtype != "F32" and not name.endswith("ssm_conv1d.weight"):
+        # (llama.cpp keeps 1-D tensors, norms, the convs and the SSM's A and D F32: ModelBase.prepare_tensors)
+        f32 = arr.ndim < 2 or name.endswith(("_norm.weight", "ssm_conv1d.weight", "shortconv.conv.weight")) \
+            or not name.endswith(".weight")
+        if not f32 and qtype != "F32":
             if qtype == "F16":
                 w.add_tensor(name, arr.astype(np.float16))
                 return
@@ -281,12 +337,22 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
                     t = permute(t, heads, heads)
                 elif arch in PERMUTED and hf == "self_attn.k_proj":
                     t = permute(t, heads, kv)
+                elif t.ndim == 3:  # the depthwise convs squeezed, [C, 1, K] -> [C, K]
+                    t = t.reshape(t.shape[0], t.shape[2])
+                elif hf == "mamba.norm":  # Mamba2Model: [n_group, d_inner / n_group]
+                    t = t.reshape(cfg["mamba_n_groups"], -1)
                 put(f"blk.{i}.{gg}.{suffix}", t)
+        for hf, gg in GRANITE_H_WHOLE.items() if arch == "granitehybrid" else ():
+            if (t := tensors.get(f"model.layers.{i}.{hf}")) is not None:  # A = -exp(A_log); A and D as [H, 1]
+                put(f"blk.{i}.{gg}", -_exp(t)[:, None] if hf == "mamba.A_log" else t[:, None] if hf == "mamba.D" else t)
         gu = tensors.get(f"model.layers.{i}.shared_mlp.input_linear.weight")
         if gu is not None:  # GraniteMoeHybridModel.modify_tensors: [gate; up] split
             put(f"blk.{i}.ffn_gate.weight", gu[: gu.shape[0] // 2])
             put(f"blk.{i}.ffn_up.weight", gu[gu.shape[0] // 2:])
-    put("output_norm.weight", tensors["model.norm.weight"])
+    if arch == "lfm2":  # (LFM2's final norm, embedding_norm, is llama.cpp's token_embd_norm)
+        put("token_embd_norm.weight", tensors["model.embedding_norm.weight"])
+    else:
+        put("output_norm.weight", tensors["model.norm.weight"])
     if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings", False):
         put("output.weight", tensors["lm_head.weight"])
     return _finish(w, out)
@@ -298,3 +364,18 @@ def _finish(w, out: Path) -> Path:
     w.write_tensors_to_file(progress=False)
     w.close()
     return out
+
+
+def write_moe_stub(path, arch: str, experts: int | None = None):
+    """a one-block GGUF of ``arch`` holding an experts tensor (what the MoE refusals read)"""
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    if experts:
+        w.add_expert_count(experts)
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((experts or 2, 4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    return path

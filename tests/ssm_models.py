@@ -9,7 +9,7 @@ import torch
 
 from helpers import _save
 
-ARCHS = ("lfm2", "lfm3", "granite_h", "nemotron_h")
+ARCHS = ("lfm2", "lfm3", "granite_h", "nemotron_h", "falcon_h1")
 
 
 def make_ssm(out: Path, arch: str = "lfm2", *, hidden=128, layers=4, vocab=320, seed=0, dtype=torch.bfloat16,
@@ -18,6 +18,8 @@ def make_ssm(out: Path, arch: str = "lfm2", *, hidden=128, layers=4, vocab=320, 
 
     if arch == "nemotron_h":
         return make_nemotron_h(out, hidden=hidden, vocab=vocab, seed=seed, dtype=dtype, **extra)
+    if arch == "falcon_h1":
+        return make_falcon_h1(out, hidden=hidden, vocab=vocab, seed=seed, dtype=dtype, **extra)
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, eos_token_id=256, bos_token_id=None,
@@ -79,5 +81,23 @@ def make_nemotron_h(out: Path, *, pattern: str = "M-M*-MM-", hidden=128, vocab=3
         mamba_head_dim=24, ssm_state_size=32, n_groups=2, conv_kernel=4, max_position_embeddings=512,
         eos_token_id=256, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False, **extra)
     model = transformers.NemotronHForCausalLM(cfg)
+    _draw(model)
+    return _save(model, out, vocab, dtype)
+
+
+def make_falcon_h1(out: Path, *, hidden=128, layers=3, vocab=320, seed=0, dtype=torch.bfloat16, **extra) -> Path:
+    """A tiny random Falcon-H1 with muP multipliers of every kind (none 1)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, intermediate_size=256, mamba_n_heads=8, mamba_d_head=32,
+              mamba_d_ssm=256, mamba_d_state=32, mamba_n_groups=2, mamba_d_conv=4, max_position_embeddings=512,
+              eos_token_id=256, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+              mamba_rms_norm=False, mamba_norm_before_gate=False, embedding_multiplier=3.0, lm_head_multiplier=0.5,
+              attention_in_multiplier=1.5, attention_out_multiplier=0.8, key_multiplier=0.4, ssm_in_multiplier=1.25,
+              ssm_out_multiplier=0.6, ssm_multipliers=[0.35, 0.25, 0.35, 0.5, 0.35], mlp_multipliers=[0.9, 0.6],
+              rope_parameters=dict(rope_type="default", rope_theta=1e5))
+    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**{**kw, **extra}))
     _draw(model)
     return _save(model, out, vocab, dtype)

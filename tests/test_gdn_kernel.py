@@ -216,7 +216,7 @@ def test_mixer_codes_are_exported_and_checked():
 
     lib = _lib(K_.host_builds()[0])
     desc = lib.sq_abi_desc().decode()
-    assert abi.mixer_codes(desc) == abi.MIXERS == {"attention": 0, "gdn": 1, "sconv": 2, "mamba2": 3}
+    assert abi.mixer_codes(desc) == abi.MIXERS == {"attention": 0, "gdn": 1, "sconv": 2, "mamba2": 3, "parallel": 4}
 
     class Swapped:
         def sq_abi(self):

@@ -175,16 +175,8 @@ def test_transformers_reads_the_gguf_as_the_checkpoint(q35):
 
 @pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
 def test_moe_ggufs_are_refused_by_name(arch, tmp_path):
-    import gguf
-
-    p = tmp_path / f"{arch}.gguf"
-    w = gguf.GGUFWriter(str(p), arch)
-    w.add_block_count(1)
-    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=False)
-    w.close()
+    from ggufwrite import write_moe_stub
+    p = write_moe_stub(tmp_path / f"{arch}.gguf", arch)
     with pytest.raises(ConvertError, match="mixture-of-experts"):
         open_source(str(p))
 

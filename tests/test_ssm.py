@@ -1,6 +1,7 @@
 """Convolution and state-space hybrids (formats/mixers.py): LFM2 and LFM3 (gated short convolutions
 between attention layers), Granite 4.0-H and Nemotron-H (Mamba-2 layers; Nemotron-H's single-block
-layers, some without an MLP, and its squared-ReLU MLP). Tiny random models made with
+layers, some without an MLP, and its squared-ReLU MLP) and Falcon-H1 (attention and Mamba-2 side by
+side in every layer, its muP multipliers folded into the linears' rows). Tiny random models made with
 transformers (the oracle): bf16 logits against transformers fp32 over 200 positions; the int4
 artifact against its own dequantized weights on every build; the C mixers (sq_mix) against the torch
 math, a prompt's tokens in one call equal to one call each; the prompt path then decode equal to
@@ -23,8 +24,10 @@ from sparkq.formats.spec import ModelSpec
 from sparkq.runtime import load
 from sparkq.runtime.core import compiler
 
-FAMILY = {"lfm2": "lfm2", "lfm3": "lfm3", "granite_h": "granitemoehybrid", "nemotron_h": "nemotron_h"}
-MIXER = {"lfm2": C.MIXER_SCONV, "lfm3": C.MIXER_SCONV, "granite_h": C.MIXER_MAMBA, "nemotron_h": C.MIXER_MAMBA}
+FAMILY = {"lfm2": "lfm2", "lfm3": "lfm3", "granite_h": "granitemoehybrid", "nemotron_h": "nemotron_h",
+          "falcon_h1": "falcon_h1"}
+MIXER = {"lfm2": C.MIXER_SCONV, "lfm3": C.MIXER_SCONV, "granite_h": C.MIXER_MAMBA, "nemotron_h": C.MIXER_MAMBA,
+         "falcon_h1": C.MIXER_PARALLEL}
 C_PATH = "c (" if compiler() else "torch ("
 POSITIONS = 200
 
@@ -88,7 +91,7 @@ def _mix_case(out, build, monkeypatch):
 
 
 @pytest.mark.parametrize("build", kernel_builds())
-@pytest.mark.parametrize("arch", ("lfm2", "granite_h"))
+@pytest.mark.parametrize("arch", ("lfm2", "granite_h", "falcon_h1"))
 def test_c_mixer_matches_the_torch_math_and_any_split(arch, build, ssm, monkeypatch):
     """sq_mix over 9 tokens from empty states (one call), against Layers' fp32 math; the same tokens
     as 4 + 1 + 4 calls leave the same bits (outputs and both states): the prompt path's chunks, the
@@ -101,7 +104,7 @@ def test_c_mixer_matches_the_torch_math_and_any_split(arch, build, ssm, monkeypa
     rng = np.random.default_rng(3)
     qkv = rng.standard_normal((9, wq)).astype(np.float32)
     g = rng.standard_normal((9, max(wz, 1))).astype(np.float32)
-    no = s.layers[i].o.k
+    no = s.layers[i].ssm_out.k or s.layers[i].o.k  # (a parallel layer's branch: ssm_out's input)
     names = list(MIXERS[spec.mixers[i]].state(spec))
     states = dict(zip(names, (x for x in m.state[i].values())))
 
@@ -127,7 +130,7 @@ def test_c_mixer_matches_the_torch_math_and_any_split(arch, build, ssm, monkeypa
         np.testing.assert_allclose(st1[n], after[n][0].numpy(), rtol=0, atol=2e-5 * after[n].abs().max().item())
 
 
-@pytest.mark.parametrize("arch", ("lfm2", "granite_h"))
+@pytest.mark.parametrize("arch", ("lfm2", "granite_h", "falcon_h1"))
 def test_prompt_then_decode_equals_token_by_token(arch, ssm):
     from sparkq.runtime.lite import load as load_lite
     _, out, seq, _, _ = ssm(arch)
@@ -143,13 +146,13 @@ def test_prompt_then_decode_equals_token_by_token(arch, ssm):
 
 
 @pytest.mark.parametrize("kernel_build", kernel_builds(), indirect=True)
-@pytest.mark.parametrize("arch", ("lfm3", "nemotron_h"))
+@pytest.mark.parametrize("arch", ("lfm3", "nemotron_h", "falcon_h1"))
 def test_batched_rows_are_the_single_step(arch, kernel_build, ssm):
     _, out, seq, _, _ = ssm(arch)
     assert_batched_step_is_single(out, [seq[:9], seq[20:45], seq[50:53]])
 
 
-@pytest.mark.parametrize("arch", ("lfm2", "nemotron_h"))
+@pytest.mark.parametrize("arch", ("lfm2", "nemotron_h", "falcon_h1"))
 def test_a_rejected_draft_leaves_the_state_as_single_steps_do(arch, ssm):
     """verify 6 rows then keep 2: the states and the next logits are the bits two single steps leave"""
     from sparkq.runtime.lite import load as load_lite
@@ -214,7 +217,7 @@ def _engines(out, slots, **kw):
     return mk(**kw), mk(prefix_cache=False)
 
 
-@pytest.mark.parametrize("arch", ("lfm2", "granite_h", "nemotron_h"))
+@pytest.mark.parametrize("arch", ("lfm2", "granite_h", "nemotron_h", "falcon_h1"))
 def test_serve_prefix_copies_and_batches_change_no_answer(arch, ssm):
     """The engine: a prefix reused from its state copies, n choices of one prompt batched with another
     request; every answer the bits an engine without the prefix cache gives."""

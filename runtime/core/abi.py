@@ -29,7 +29,7 @@ class SqLayer(ctypes.Structure):
                           "kcache", "vcache", "kscale", "vscale")] + [("rot", _I), ("window", _I), ("gate", SqLinear)] + [
         ("mixer", _I)] + [(n, _P) for n in ("conv_w", "a_log", "dt_bias", "gnorm", "conv_state", "rec_state")] + [
         ("head_dim", _I), ("kv_shared", _I), ("scalar", _D), ("ple_gate", SqLinear), ("ple_proj", SqLinear),
-        ("ple_norm", _P), ("conv_b", _P), ("ssm_d", _P)]
+        ("ple_norm", _P), ("conv_b", _P), ("ssm_d", _P), ("ssm_in", SqLinear), ("ssm_gate", SqLinear), ("ssm_out", SqLinear)]
 
 
 class SqModel(ctypes.Structure):

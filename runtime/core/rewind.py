@@ -51,7 +51,8 @@ class Rewind:
         if n == T:
             return
         slot = kvoff // self._slot_elems()
-        out = np.empty((n, self.layers[self.gdn_layers[0]].o.k), np.float32)  # (o's input)
+        L0 = self.layers[self.gdn_layers[0]]
+        out = np.empty((n, L0.ssm_out.k or L0.o.k), np.float32)  # (the mixer's output: a parallel layer's branch's)
         for j, (li, st, copy) in enumerate(zip(self.gdn_layers, self._states, saved)):
             for x, c in zip(st, copy):
                 x[slot] = c

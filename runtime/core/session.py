@@ -92,9 +92,9 @@ def linear_struct(lib, lin: CLinear) -> abi.SqLinear:
 def _recurrent_layer(lib, L, spec, i: int, linears: dict, vectors: dict, states) -> None:
     """Layer i's recurrent mixer fields (csrc/sq_abi.h): its gate linear where it has one, its fp32
     parameters (formats/mixers.py names; absent: NULL) and its states' buffers."""
-    gate = linears.get(f"layers.{i}.{C.ROLE_GATE}")
-    if gate is not None:
-        L.gate = linear_struct(lib, gate)
+    for role in (C.ROLE_GATE, C.ROLE_SSM_IN, C.ROLE_SSM_GATE, C.ROLE_SSM_OUT):  # (ssm_*: a parallel layer's branch)
+        if f"layers.{i}.{role}" in linears:
+            setattr(L, role, linear_struct(lib, linears[f"layers.{i}.{role}"]))
     params = spec.params(i)
     for field, name in (("conv_w", C.GDN_CONV), ("conv_b", C.CONV_BIAS), ("a_log", C.GDN_A_LOG),
                         ("dt_bias", C.GDN_DT_BIAS), ("gnorm", C.GDN_NORM), ("ssm_d", C.SSM_D)):
@@ -102,10 +102,8 @@ def _recurrent_layer(lib, L, spec, i: int, linears: dict, vectors: dict, states)
             setattr(L, field, ptr(_f32(vectors[f"layers.{i}.{name}"])))
     if states is None or states[i] is None:
         raise ValueError(f"layer {i} is a {spec.mixers[i]} layer: Session needs its states")
-    bufs = tuple(ptr(_f32(b)) for b in states[i])
-    L.conv_state = bufs[0]
-    if len(bufs) > 1:
-        L.rec_state = bufs[1]
+    for field, b in zip(("conv_state", "rec_state"), states[i]):
+        setattr(L, field, ptr(_f32(b)))
 
 
 class Session(Rewind):
@@ -145,9 +143,10 @@ class Session(Rewind):
             for f in abi.LAYER_NORMS:
                 setattr(L, f, ptr(vectors.get(f"layers.{i}.{f}.weight")))
             L.mixer = abi.MIXERS[mixers[i]]
-            if mixers[i] != C.MIXER_ATTENTION:  # a recurrent mixer (formats/mixers.py): no rope, no KV cache
+            if mixers[i] != C.MIXER_ATTENTION:  # a recurrent mixer (formats/mixers.py)
                 _recurrent_layer(lib, L, spec, i, linears, vectors, states)
-                continue
+                if not spec.has_attention(i):  # (no rope, no KV cache; a parallel layer has both)
+                    continue
             if spec.attn_gate:
                 L.gate = linear_struct(lib, linears[f"layers.{i}.{C.ROLE_GATE}"])
             if spec.head_dims or spec.kv_from:  # Gemma 4: its head dim; a KV-sharing layer writes no K/V

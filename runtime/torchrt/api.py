@@ -11,7 +11,7 @@ from sparkq.formats.artifact import Artifact, ArtifactError
 from sparkq.formats.layout import LAYOUT_TO_CAPABILITY, ROWS32, LayoutError, host_layout
 from sparkq.formats.recipe import recipe_for_config, text_model_view, wrapper_architecture
 from sparkq.formats.spec import ModelSpec
-from sparkq.formats.views import views
+from sparkq.formats.views import scaled, views
 
 from ..common import (DEFAULT_KV_BUDGET_MIB, DEFAULT_KV_DTYPE, DEFAULT_MAX_MODEL_LEN, MALLOC_MMAP_THRESHOLD,  # noqa: F401
                      LoadInfo, check_kv_dtype, fix_malloc_mmap_threshold, kv_capacity, resolve)
@@ -85,7 +85,7 @@ def _load_bf16_checkpoint(path: Path):
 
     def tensor(name):
         if name in derived:  # rows of other tensors (formats/views.py)
-            return torch.cat([tensor(n)[a:b] for n, a, b in derived[name][1]])
+            return torch.cat([scaled(tensor(r[0])[r[1]:r[2]], r) for r in derived[name][1]])
         if name not in handles:
             raise RuntimeUserError(f"{path}: tensor {name} missing from the checkpoint")
         return handles[name].get_tensor(renamed.get(name, name))

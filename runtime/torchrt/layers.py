@@ -203,9 +203,11 @@ class Layers:
         for t in range(t_):  # decay, take dt x B^T, read with C, the D skip
             s = s * torch.exp(dt[:, t] * a)[..., None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * bb[:, t, :, None, :]
             y[:, t] = torch.einsum("bhpn,bhn->bhp", s, cc[:, t]) + d[:, None] * x[:, t]
-        y = y.reshape(b_, t_, g.norm_groups, -1) * F.silu(z).reshape(b_, t_, g.norm_groups, -1)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + g.norm_eps)
-        y = y.reshape(b_, t_, g.inner) * self.vec(f"layers.{i}.{C.GDN_NORM}").float()
+        y = y.reshape(b_, t_, g.inner) * F.silu(z)
+        if g.norm_groups:  # RMS-normed per group (no norm: Falcon-H1's mamba_rms_norm false)
+            y = y.reshape(b_, t_, g.norm_groups, -1)
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + g.norm_eps)
+            y = y.reshape(b_, t_, g.inner) * self.vec(f"layers.{i}.{C.GDN_NORM}").float()
         return y.to(xbc.dtype), new_conv, s
 
     def recurrent(self, i: int, qkv: torch.Tensor, g: torch.Tensor | None, state: dict | None) -> tuple:

@@ -167,17 +167,18 @@ class Model:
             o = attend(q.transpose(0, 1), keys, vals, pos0, start, cfg.window, self.scale).transpose(0, 1).reshape(t, -1)
         return self.lin[f"layers.{i}.o"](self.layers.gate(o, g))
 
-    def _recurrent(self, i: int, x: torch.Tensor, pos0: int) -> torch.Tensor:
-        """a recurrent mixer (formats/mixers.py) over the sequence's state, emptied at position 0"""
+    def _recurrent(self, i: int, x: torch.Tensor, pos0: int, roles=(C.ROLE_QKV, C.ROLE_GATE, C.ROLE_O)) -> torch.Tensor:
+        """a recurrent mixer (formats/mixers.py) over the sequence's state, emptied at position 0;
+        roles: its linears (a parallel layer's Mamba-2 branch: ssm_in, ssm_gate, ssm_out)"""
         st = self.state[i]
         if pos0 == 0:
             for t in st.values():
                 t.zero_()
-        gate = self.lin.get(f"layers.{i}.{C.ROLE_GATE}")
-        o, after = self.layers.recurrent(i, self.lin[f"layers.{i}.qkv"](x)[None], None if gate is None else gate(x)[None], st)
+        gate = self.lin.get(f"layers.{i}.{roles[1]}")
+        o, after = self.layers.recurrent(i, self.lin[f"layers.{i}.{roles[0]}"](x)[None], None if gate is None else gate(x)[None], st)
         for n, t in after.items():
             st[n].copy_(t)
-        return self.lin[f"layers.{i}.o"](o[0])
+        return self.lin[f"layers.{i}.{roles[2]}"](o[0])
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One query token, GQA as a grouped matmul (SDPA takes its slow math path for this
@@ -214,8 +215,11 @@ class Model:
         lay = self.layers
         ple = lay.ple_inputs(self.lin[C.ROLE_PLE_EMBED].embed(ids), self.lin[C.ROLE_PLE_MODEL](x)) if s.ple_dim else None
         for i in range(s.layers):
-            mix = self._attention if s.mixers[i] == C.MIXER_ATTENTION else self._recurrent
-            x = lay.residual(x, mix(i, lay.attn_in(x, i), pos0), i, C.ROLE_O)
+            mix = self._attention if s.has_attention(i) else self._recurrent
+            h = lay.attn_in(x, i)
+            x = lay.residual(x, mix(i, h, pos0), i, C.ROLE_O)
+            if s.mixers[i] == C.MIXER_PARALLEL:  # its Mamba-2 branch, from the same normed input
+                x = lay.residual(x, self._recurrent(i, h, pos0, (C.ROLE_SSM_IN, C.ROLE_SSM_GATE, C.ROLE_SSM_OUT)), i, C.ROLE_O)
             if s.has_mlp(i):
                 x = lay.residual(x, self._mlp(i, lay.mlp_in(x, i)), i, C.ROLE_DOWN)
             if ple is not None or s.layer_scalar:

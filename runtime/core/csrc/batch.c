@@ -184,7 +184,7 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                 }
                 const int gdn = L->mixer == MIXER_GDN;
                 int64_t lq = nqkv, ng, no; /* its rows' widths */
-                if (L->mixer != MIXER_ATTN) mix_widths(m, L, &lq, &ng, &no);
+                if (!has_attn(L)) mix_widths(m, L, &lq, &ng, &no);
                 products_many(&L->qkv, a, M, qkv, lq);
                 if (L->gate.q) { /* the output gate's products (a GDN layer's z | b | a), from the same normed inputs */
 #pragma omp for schedule(static)
@@ -220,7 +220,7 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                     for (int64_t it = 0; it < M * Hv; it++) gdn_norm(m, L, it % Hv, b->g + it / Hv * gnz, att + it / Hv * gvd);
 #pragma omp for schedule(static)
                     for (int64_t t = 0; t < M; t++) prep(&L->o, att + t * gvd, &a[t]);
-                } else if (L->mixer != MIXER_ATTN) { /* a short conv or Mamba-2 layer: each run on its slot (ssm.c) */
+                } else if (!has_attn(L)) { /* a short conv or Mamba-2 layer: each run on its slot (ssm.c) */
                     if (keep_qkv) {
 #pragma omp single
                         {
@@ -279,6 +279,15 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
                     }
                 }
                 products_many(&L->o, a, M, h, E);
+                if (L->mixer == MIXER_PARALLEL) { /* attention's output in, then the Mamba-2 branch's to h (ssm.c) */
+                    int64_t pq, pg, po;
+                    mix_widths(m, L, &pq, &pg, &po);
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < M; t++) add_residual(m, L->post_attn_norm, h + t * E, x + t * E);
+                    parallel_rows(m, L, M, R, b->run0, b->runT, kvoff, xn, maxk, a, qkv, b->g, att, h,
+                                  keep_qkv ? keep_qkv + gi * M * pq : NULL, keep_qkv ? keep_zba + gi * M * pg : NULL);
+                    gi++;
+                }
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M; t++) {
                     add_residual(m, L->post_attn_norm, h + t * E, x + t * E);

@@ -76,7 +76,7 @@ static inline sq_layer layer_slot(const sq_model *m, const sq_layer *L, int64_t 
         mix_state_floats(m, L, &nc, &nr);
         if (L->conv_state) s.conv_state = L->conv_state + slot * nc;
         if (L->rec_state) s.rec_state = L->rec_state + slot * nr;
-        return s;
+        if (!has_attn(L)) return s;
     }
     if (m->kv_int8) {
         s.kcache = (int8_t *)L->kcache + kvoff, s.vcache = (int8_t *)L->vcache + kvoff;

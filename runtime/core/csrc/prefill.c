@@ -89,7 +89,7 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
             for (int64_t t = 0; t < n; t++) rms_norm(x + t * E, L->attn_norm, E, m->eps, off, xn + t * E);
             if ((rc = linear_many(&L->qkv, xn, n, big, xt))) break;
             if (L->gate.q && (rc = linear_many(&L->gate, xn, n, gv, xt))) break;
-            if (L->mixer != MIXER_ATTN) { /* the chunk through a recurrent mixer (gdn.c, ssm.c), o's input [n, no] */
+            if (!has_attn(L)) { /* the chunk through a recurrent mixer (gdn.c, ssm.c), o's input [n, no] */
                 int64_t mq, ng, no;
                 mix_widths(m, L, &mq, &ng, &no);
 #pragma omp parallel
@@ -102,7 +102,19 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
 #pragma omp parallel for schedule(static)
                     for (int64_t t = 0; t < n; t++) attn_gate(ml, gv + t * gw, att + t * qd);
             }
+            int64_t pq = 0, pg = 0, po = 0; /* a parallel layer's Mamba-2 branch (Falcon-H1): its products from xn first */
+            if (L->mixer == MIXER_PARALLEL) {
+                mix_widths(m, L, &pq, &pg, &po);
+                if ((rc = linear_many(&L->ssm_in, xn, n, big, xt)) || (rc = linear_many(&L->ssm_gate, xn, n, gv, xt))) break;
+            }
             if ((rc = linear_many(&L->o, att, n, xn, xt))) break;
+            if (L->mixer == MIXER_PARALLEL) { /* attention's output in, then the branch's (the decode step's order) */
+#pragma omp parallel for schedule(static)
+                for (int64_t t = 0; t < n; t++) add_residual(m, L->post_attn_norm, xn + t * E, x + t * E);
+#pragma omp parallel
+                mix_team(m, L, big, pq, gv, pg, n, att, po);
+                if ((rc = linear_many(&L->ssm_out, att, n, xn, xt))) break;
+            }
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < n; t++) {
                 add_residual(m, L->post_attn_norm, xn + t * E, x + t * E);

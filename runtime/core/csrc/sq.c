@@ -72,8 +72,8 @@ const char *sq_abi_desc(void) {
     char *p = buf, *end = buf + sizeof buf;
     int first;
     p += snprintf(p, (size_t)(end - p), "abi=%d;kinds=int4:%d,int8:%d,bf16:%d,lut4:%d", SQ_ABI, KIND_INT4, KIND_INT8, KIND_BF16, KIND_LUT4);
-    p += snprintf(p, (size_t)(end - p), ";mixers=attention:%d,gdn:%d,sconv:%d,mamba2:%d", MIXER_ATTN, MIXER_GDN,
-                  MIXER_SCONV, MIXER_MAMBA);
+    p += snprintf(p, (size_t)(end - p), ";mixers=attention:%d,gdn:%d,sconv:%d,mamba2:%d,parallel:%d", MIXER_ATTN,
+                  MIXER_GDN, MIXER_SCONV, MIXER_MAMBA, MIXER_PARALLEL);
 #define SQ_DESC_T sq_linear
     p += snprintf(p, (size_t)(end - p), ";sq_linear=%zu:", sizeof(sq_linear)), first = 1;
     SQ_LINEAR_FIELDS(SQ_DESC_FIELD)

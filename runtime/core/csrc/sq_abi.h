@@ -10,7 +10,7 @@
 /* linear kinds (formats/constants.py KIND_* by name; the binding reads the codes from sq_abi_desc) */
 enum { KIND_INT4 = 0, KIND_INT8 = 1, KIND_BF16 = 2, KIND_LUT4 = 3 };
 /* layer mixers (sq_layer.mixer; formats/mixers.py Mixer.code, checked against sq_abi_desc) */
-enum { MIXER_ATTN = 0, MIXER_GDN = 1, MIXER_SCONV = 2, MIXER_MAMBA = 3 };
+enum { MIXER_ATTN = 0, MIXER_GDN = 1, MIXER_SCONV = 2, MIXER_MAMBA = 3, MIXER_PARALLEL = 4 };
 
 /* one linear: W [N, K] in the artifact's mapping, read in place.
  *   q    int4, lut4: rows32 bytes [N, K/2]; int8: int8 [N, K]; bf16: bf16 [N, K]
@@ -47,6 +47,9 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1, MIXER_SCONV = 2, MIXER_MAMBA = 3 };
  * [Cm, E] (Cm = inner + 2 G N), gate its z | dt rows [inner + H, E], o out_proj [E, inner]; conv_w
  * [Cm, K], conv_b [Cm] or NULL, a_log [H], dt_bias [H], ssm_d [H], gnorm [inner]; conv_state [slots,
  * Cm, K - 1] and rec_state [slots, H, P, N] (S[h][p][n]).
+ * MIXER_PARALLEL (Falcon-H1): an attention layer (all its fields) whose Mamba-2 branch reads the same
+ * normed input through ssm_in (x | B | C), ssm_gate (z | dt) and ssm_out, with MIXER_MAMBA's parameters
+ * and states; both outputs are added to the residual (attention's first).
  * Per-layer geometry (Gemma 4; 0 / NULL: none): head_dim (this layer's; the model's head_dim is the
  * largest, and a KV slot's offset is in its units), kv_shared (1: qkv holds q rows only and the caches
  * are an earlier layer's, read, never written), scalar (the layer's output times it), and after the
@@ -62,7 +65,7 @@ enum { MIXER_ATTN = 0, MIXER_GDN = 1, MIXER_SCONV = 2, MIXER_MAMBA = 3 };
     F(int64_t, mixer) F(const float *, conv_w) F(const float *, a_log) F(const float *, dt_bias)  \
     F(const float *, gnorm) F(float *, conv_state) F(float *, rec_state) F(int64_t, head_dim) F(int64_t, kv_shared) \
     F(double, scalar) F(sq_linear, ple_gate) F(sq_linear, ple_proj) F(const uint16_t *, ple_norm)                   \
-    F(const float *, conv_b) F(const float *, ssm_d)
+    F(const float *, conv_b) F(const float *, ssm_d) F(sq_linear, ssm_in) F(sq_linear, ssm_gate) F(sq_linear, ssm_out)
 
 /* the model: shape, act (0 SiLU, 1 GELU-tanh, 2 GELU (erf): gated MLPs; 3 relu2: relu(up)^2, no gate), norm_offset (1: (1 + w) norms), refine_top (top
  * logits recomputed exactly), kv_int8 (1: the layers' caches hold int8 codes + scales, 0: bf16),

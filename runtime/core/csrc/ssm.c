@@ -9,6 +9,7 @@
  *   state  per head h (group g = h / (H / G)): dt = softplus(dt_h + dt_bias[h]), a = exp(-exp(a_log[h]) dt);
  *          per row p of its P: S[p][n] = S[p][n] a + (dt x[p]) B_g[n]; y[p] = sum_n S[p][n] C_g[n] + D[h] x[p]
  *   norm   y * silu(z), RMS-normed per group of inner / norm_groups channels (eps gnorm_eps), times gnorm
+ *          (norm_groups 0: y * silu(z) alone)
  * and the output goes through o like attention's.
  *
  * As in gdn.c the work is in items whose arithmetic does not depend on the thread or on how many tokens
@@ -24,8 +25,8 @@ static int ssm_model_ok(const sq_model *m) {
     const int conv_ok = m->conv_k >= 1 && m->conv_k <= GDN_KMAX;
     if (m->sc_dim < 0 || (m->sc_dim && !conv_ok)) return 0;
     if (!H && !m->ssm_head_dim && !m->ssm_state && !G && !NG) return 1;
-    return H > 0 && G > 0 && H % G == 0 && m->ssm_head_dim > 0 && m->ssm_state > 0 && NG > 0 &&
-           ssm_inner(m) % NG == 0 && conv_ok;
+    return H > 0 && G > 0 && H % G == 0 && m->ssm_head_dim > 0 && m->ssm_state > 0 && NG >= 0 &&
+           (!NG || ssm_inner(m) % NG == 0) && conv_ok;
 }
 
 static int mix_model_ok(const sq_model *m) { return gdn_model_ok(m) && ssm_model_ok(m); }
@@ -116,6 +117,18 @@ static void ssm_mix_team(const sq_model *m, const sq_layer *L, float *qkv, int64
     for (int64_t it = 0; it < nc; it++) conv_item(L->conv_w, L->conv_b, L->conv_state, C, m->conv_k, it, qkv, ldq, T, 1);
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < ns; it++) mamba_state_item(m, L, it, qkv, ldq, g, ldg, T, out, ldo);
+    if (!NG) { /* no norm (Falcon-H1's mamba_rms_norm false): y * silu(z) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float sz[64], *y = out + t * ldo;
+            for (int64_t j0 = 0; j0 < ssm_inner(m); j0 += 64) {
+                const int64_t n = ssm_inner(m) - j0 < 64 ? ssm_inner(m) - j0 : 64;
+                gdn_silu_n(g + t * ldg + j0, sz, n);
+                for (int64_t i = 0; i < n; i++) y[j0 + i] *= sz[i];
+            }
+        }
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < T * NG; it++) mamba_norm(m, L, it % NG, g + it / NG * ldg, out + it / NG * ldo);
 }
@@ -141,6 +154,52 @@ static void mix_runs(const sq_model *m, const sq_layer *L, int64_t R, const int6
         const sq_layer Ls = layer_slot(m, L, kvoff[t]);
         ssm_mix_team(m, &Ls, qkv + t * nq, nq, g + t * ng, ng, runT[r], out + t * no, no);
     }
+}
+
+/* A parallel layer's Mamba-2 branch in the decode step (step.c; every thread calls it): from the layer's
+ * normed input xn through ssm_in / ssm_gate, the mixer and ssm_out, to w->h (the caller adds it to the
+ * residual, as attention's output before it). w's qkv, g, att, h and a are free here. */
+static void parallel_step(const sq_model *m, sq_work *w, const sq_layer *L, const float *xn) {
+    int64_t nq, ng, no;
+    mix_widths(m, L, &nq, &ng, &no);
+#pragma omp single
+    prep(&L->ssm_in, xn, &w->a);
+    products(&L->ssm_in, &w->a, w->qkv);
+#pragma omp single
+    prep(&L->ssm_gate, xn, &w->a);
+    products(&L->ssm_gate, &w->a, w->g);
+    mix_team(m, L, w->qkv, nq, w->g, ng, 1, w->att, no);
+#pragma omp single
+    prep(&L->ssm_out, w->att, &w->a);
+    products(&L->ssm_out, &w->a, w->h);
+}
+
+/* The same branch for M rows of the batched step (batch.c): xn rows at stride ldx, a the rows'
+ * activations; qkv, g, att and h its buffers (row strides mix_widths; h: hidden, the output the caller
+ * adds); keep_q / keep_g: where the rewind's copies of its inputs go, or NULL. */
+static void parallel_rows(const sq_model *m, const sq_layer *L, int64_t M, int64_t R, const int64_t *run0,
+                          const int64_t *runT, const int64_t *kvoff, const float *xn, int64_t ldx, sq_act *a, float *qkv,
+                          float *g, float *att, float *h, float *keep_q, float *keep_g) {
+    int64_t nq, ng, no;
+    const int64_t E = m->hidden;
+    mix_widths(m, L, &nq, &ng, &no);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++) prep(&L->ssm_in, xn + t * ldx, &a[t]);
+    products_many(&L->ssm_in, a, M, qkv, nq);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++) prep(&L->ssm_gate, xn + t * ldx, &a[t]);
+    products_many(&L->ssm_gate, a, M, g, ng);
+    if (keep_q) {
+#pragma omp single
+        {
+            memcpy(keep_q, qkv, sizeof(float) * (size_t)(M * nq));
+            memcpy(keep_g, g, sizeof(float) * (size_t)(M * ng));
+        }
+    }
+    mix_runs(m, L, R, run0, runT, kvoff, qkv, g, att);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++) prep(&L->ssm_out, att + t * no, &a[t]);
+    products_many(&L->ssm_out, a, M, h, E);
 }
 
 /* T tokens of the sequence in the slot at kvoff through recurrent layer L's mixer, from their qkv

@@ -40,7 +40,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
                 prep(&L->gate, w->xn, &w->a);
                 products(&L->gate, &w->a, w->g);
             }
-            if (L->mixer != MIXER_ATTN) { /* a recurrent mixer (gdn.c, ssm.c): its gate product, if any, is its own */
+            if (!has_attn(L)) { /* a recurrent mixer (gdn.c, ssm.c): its gate product, if any, is its own */
                 int64_t nq, ng, no;
                 mix_widths(m, L, &nq, &ng, &no);
                 mix_team(m, L, w->qkv, nq, w->g, ng, 1, w->att, no);
@@ -55,10 +55,15 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
             }
 #pragma omp single
             {
-                if (L->gate.q && L->mixer == MIXER_ATTN) attn_gate(ml, w->g, w->att);
+                if (L->gate.q && has_attn(L)) attn_gate(ml, w->g, w->att);
                 prep(&L->o, w->att, &w->a);
             }
             products(&L->o, &w->a, w->h);
+            if (L->mixer == MIXER_PARALLEL) { /* attention's output in, then the Mamba-2 branch's (ssm.c) */
+#pragma omp single
+                add_residual(m, L->post_attn_norm, w->h, x);
+                parallel_step(m, w, L, w->xn);
+            }
 #pragma omp single
             {
                 add_residual(m, L->post_attn_norm, w->h, x);

@@ -31,12 +31,15 @@ static inline int64_t mlp_width(const sq_model *m, const sq_layer *L) {
     return m->act == 3 ? L->gate_up.n : L->gate_up.n / 2;
 }
 
+/* whether layer L attends over its KV cache (attention, or a parallel layer's attention branch) */
+static inline int has_attn(const sq_layer *L) { return L->mixer == MIXER_ATTN || L->mixer == MIXER_PARALLEL; }
+
 /* a recurrent layer's row widths per token: its qkv product, its gate product (0: none), its output (o's input) */
 static inline void mix_widths(const sq_model *m, const sq_layer *L, int64_t *nq, int64_t *ng, int64_t *no) {
     *nq = *ng = *no = 0;
     if (L->mixer == MIXER_GDN) *nq = gdn_c(m), *ng = gdn_nz(m), *no = gdn_vd(m);
     if (L->mixer == MIXER_SCONV) *nq = 3 * m->sc_dim, *no = m->sc_dim;
-    if (L->mixer == MIXER_MAMBA) *nq = ssm_c(m), *ng = ssm_nz(m), *no = ssm_inner(m);
+    if (L->mixer == MIXER_MAMBA || L->mixer == MIXER_PARALLEL) *nq = ssm_c(m), *ng = ssm_nz(m), *no = ssm_inner(m);
 }
 
 /* a recurrent layer's per-slot state sizes in floats: its conv window, its recurrent state */
@@ -45,7 +48,8 @@ static inline void mix_state_floats(const sq_model *m, const sq_layer *L, int64_
     *conv = *rec = 0;
     if (L->mixer == MIXER_GDN) *conv = gdn_c(m) * km, *rec = m->lin_v_heads * m->lin_k_dim * m->lin_v_dim;
     if (L->mixer == MIXER_SCONV) *conv = m->sc_dim * km;
-    if (L->mixer == MIXER_MAMBA) *conv = ssm_c(m) * km, *rec = m->ssm_heads * m->ssm_head_dim * m->ssm_state;
+    if (L->mixer == MIXER_MAMBA || L->mixer == MIXER_PARALLEL)
+        *conv = ssm_c(m) * km, *rec = m->ssm_heads * m->ssm_head_dim * m->ssm_state;
 }
 
 /* The steps' buffer widths per token, the largest of attention's and the recurrent mixers': the qkv

@@ -1,0 +1,158 @@
+"""LFM2 and Granite 4.0-H GGUF input (llama.cpp's ``lfm2`` and ``granitehybrid`` architectures,
+convert/gguf_hybrids.py): a tiny make_ssm checkpoint written as llama.cpp's converter writes it
+(tests/ggufwrite.py: per-layer KV head counts, squeezed convs, LFM2's final norm as token_embd_norm,
+Granite's shared MLP split into ffn_gate / ffn_up, -exp(A_log), A and D as [H, 1], the grouped
+norm, q/k permuted) reads back as the checkpoint's tensors and config, converts to an artifact with
+the checkpoint's logits, imports to a checkpoint transformers runs as the original; transformers'
+own lfm2 GGUF loader reads the file as the checkpoint (it has no granitehybrid loader); Granite
+4.0-H with experts is refused by name."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from ggufwrite import write_gguf
+from ssm_models import make_ssm
+from sparkq.convert.errors import ConvertError
+from sparkq.convert.pipeline import Options, convert
+from sparkq.convert.source import open_source
+from sparkq.formats.recipe import recipe_for_config
+from sparkq.formats.spec import ModelSpec
+
+SEQ = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+# key scaling off: calibration text tokenizes differently through the test writer's vocabulary
+OPTS = Options(progress=False, method="minmax", key_scaling=False)
+NOPE_CONTEXT = 2**20  # GraniteHybridModel's context_length for a model without RoPE (the real one is not stored)
+
+
+@pytest.fixture(scope="module", params=["lfm2", "granite_h"])
+def ssm(tmp_path_factory, request):
+    """(dir, arch, checkpoint, {qtype: gguf}). Granite: no experts per token (as the dense Granite
+    4.0-H configs; llama.cpp refuses to load experts used > experts)."""
+    d = tmp_path_factory.mktemp(f"{request.param}gguf")
+    extra = {"num_experts_per_tok": 0} if request.param == "granite_h" else {}
+    src = make_ssm(d / request.param, request.param, **extra)
+    return d, request.param, src, {q: write_gguf(src, d / f"{request.param}-{q}.gguf", q) for q in ("F32", "BF16")}
+
+
+def _all(source, name):
+    return source.read_rows(name, 0, source.shapes[name][0])
+
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16"])
+def test_gguf_tensors_and_config_are_the_checkpoints(ssm, qtype):
+    """Every tensor read through the GGUF source equals the checkpoint's (A_log within fp32
+    rounding: the file holds -exp(A_log)), whole or in row slices (across Granite's gate / up
+    boundary); the Mamba parameters read as fp32; the rebuilt config gives the checkpoint's
+    ModelSpec (but Granite's context length, which llama.cpp does not store for a NoPE model)."""
+    _, arch, src, ggufs = ssm
+    a, b = open_source(str(src)), open_source(str(ggufs[qtype]))
+    try:
+        assert a.shapes == b.shapes
+        for n in sorted(a.shapes):
+            x, y = _all(a, n), _all(b, n)
+            if n.endswith("A_log"):
+                torch.testing.assert_close(y, x, rtol=0, atol=5e-7)
+            else:
+                assert torch.equal(x, y), n
+            if ".mamba." in n and ".in_proj." not in n and ".out_proj." not in n:
+                assert b.read_rows(n, 0, 1).dtype == torch.float32 and y.dtype == torch.float32, n
+            rows = a.shapes[n][0]
+            if rows > 1 and not n.endswith("A_log"):
+                parts = torch.cat([b.read_rows(n, r, min(rows, r + 7)) for r in range(0, rows, 7)])
+                assert torch.equal(parts, y), n
+        ra, rb = recipe_for_config(a.config), recipe_for_config(b.config)
+        assert ra.family == rb.family == {"lfm2": "lfm2", "granite_h": "granitemoehybrid"}[arch]
+        sa, sb = ModelSpec.from_recipe(a.config, ra), ModelSpec.from_recipe(b.config, rb)
+        if arch == "granite_h":
+            assert sb.max_position == NOPE_CONTEXT and sb.nope_layers
+            sb = dataclasses.replace(sb, max_position=sa.max_position)
+        assert sa == sb and sa.mixers == sb.mixers and (sa.sconv or sa.ssm)
+        assert (sa.sconv, sa.ssm, sa.layer_types) == (sb.sconv, sb.ssm, sb.layer_types)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_gguf_layout_is_llamacpps(ssm):
+    """The file really holds llama.cpp's layout (the test above is not an identity)."""
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
+
+    _, arch, src, ggufs = ssm
+    hf = {k: v.float().numpy() for k, v in load_file(str(src / "model.safetensors")).items()}
+    r = GGUFReader(str(ggufs["F32"]))
+    t = {x.name: np.asarray(x.data) for x in r.tensors}
+    a = "lfm2" if arch == "lfm2" else "granitehybrid"
+    assert r.fields["general.architecture"].contents() == a
+    kv = r.fields[f"{a}.attention.head_count_kv"].contents()
+    if arch == "lfm2":
+        assert kv == [0, 0, 2, 0] and "output_norm.weight" not in t
+        assert np.array_equal(t["token_embd_norm.weight"], hf["model.embedding_norm.weight"])
+        assert t["blk.0.shortconv.conv.weight"].shape == (128, 3)
+        assert np.array_equal(t["blk.2.attn_q.weight"], hf["model.layers.2.self_attn.q_proj.weight"])
+        return
+    assert kv == [0, 0, 0, 2] and not r.fields[f"{a}.rope.scaling.finetuned"].contents()
+    assert np.allclose(t["blk.0.ssm_a"][:, 0], -np.exp(hf["model.layers.0.mamba.A_log"]))
+    assert t["blk.0.ssm_norm.weight"].shape == (2, 128) and t["blk.0.ssm_conv1d.weight"].shape == (384, 4)
+    gu = hf["model.layers.0.shared_mlp.input_linear.weight"]
+    assert np.array_equal(np.concatenate([t["blk.0.ffn_gate.weight"], t["blk.0.ffn_up.weight"]]), gu)
+    assert not np.array_equal(t["blk.3.attn_q.weight"], hf["model.layers.3.self_attn.q_proj.weight"])  # permuted
+
+
+def _logits(path):
+    from sparkq.runtime import load
+    m = load(str(path), max_model_len=64, kv_dtype="bf16")
+    with torch.no_grad():
+        return m.model.forward(torch.tensor(SEQ), 0, last_only=False).float()
+
+
+def test_gguf_converts_and_imports_as_the_checkpoint(ssm):
+    """spark-convert of the GGUF gives an artifact with the checkpoint's artifact's logits; `sparkq
+    import-gguf` gives a checkpoint (Mamba parameters fp32) that transformers runs as the original."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from sparkq.convert.gguf_source import import_gguf
+
+    d, arch, src, ggufs = ssm
+    convert(str(src), str(d / "st"), OPTS)
+    convert(str(ggufs["BF16"]), str(d / "gg"), OPTS)
+    la, lb = _logits(d / "st"), _logits(d / "gg")
+    assert (la - lb).abs().max() <= 1e-4 * la.abs().max(), (la - lb).abs().max()
+
+    imp = d / "imported"
+    import_gguf(str(ggufs["BF16"]), str(imp), progress=False)
+    if arch == "granite_h":
+        with safe_open(str(imp / "model.safetensors"), "pt") as f:
+            assert f.get_slice("model.layers.0.mamba.A_log").get_dtype() == "F32"
+            assert f.get_slice("model.layers.0.mamba.in_proj.weight").get_dtype() == "BF16"
+    ids = torch.tensor([SEQ])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits[0]
+        got = AutoModelForCausalLM.from_pretrained(imp, dtype=torch.float32).eval()(ids).logits[0]
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got - want).abs().max()
+
+
+def test_transformers_reads_the_lfm2_gguf_as_the_checkpoint(ssm):
+    """transformers' lfm2 GGUF loader (its inverse of llama.cpp's converter) gives the checkpoint's
+    weights from the test writer's file (transformers 5.25 has no granitehybrid loader)."""
+    from transformers import AutoModelForCausalLM
+
+    d, arch, src, ggufs = ssm
+    if arch != "lfm2":
+        pytest.skip("transformers has no granitehybrid GGUF loader")
+    ref = AutoModelForCausalLM.from_pretrained(d, gguf_file=ggufs["F32"].name, dtype=torch.float32).eval()
+    orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    sr, so = ref.state_dict(), orig.state_dict()
+    assert sr.keys() == so.keys()
+    for k in so:
+        torch.testing.assert_close(sr[k], so[k], rtol=0, atol=0, msg=k)
+
+
+def test_granite_moe_gguf_is_refused_by_name(tmp_path):
+    from ggufwrite import write_moe_stub
+    p = write_moe_stub(tmp_path / "granitehybrid-moe.gguf", "granitehybrid", experts=4)
+    with pytest.raises(ConvertError, match="mixture-of-experts"):
+        open_source(str(p))
