@@ -1,9 +1,10 @@
 """GGUF input: tensors dequantized one at a time, mapped back to Hugging Face names.
 
 Every family sparkq runs: llama, mistral, qwen2, qwen3, gemma3, ..., qwen35 (Qwen3.5's Gated
-DeltaNet hybrid), lfm2 (LFM2's short-conv hybrid) and granitehybrid (Granite 4.0-H's Mamba-2 hybrid,
-gguf_hybrids.py: its split shared MLP stacked, -exp(A_log) and the reshaped Mamba parameters
-undone), in the tensor layout llama.cpp's converter writes. Where that converter changed
+DeltaNet hybrid), lfm2 (LFM2's short-conv hybrid), granitehybrid (Granite 4.0-H's Mamba-2 hybrid),
+nemotron_h and falcon-h1 (gguf_hybrids.py: Granite's split shared MLP stacked, -exp(A_log) and the
+reshaped Mamba parameters undone, Nemotron-H's blocks read back, Falcon-H1's folded multipliers
+set to 1), in the tensor layout llama.cpp's converter writes. Where that converter changed
 tensors, the change is undone so the result is the standard HF checkpoint: llama's q/k rows are
 permuted (interleaved RoPE halves); Gemma's and Qwen3.5's norm weights are stored as ``1 + w``;
 Qwen3.5's DeltaNet stores ``-exp(A_log)``, a squeezed conv weight and its value heads tiled
@@ -95,13 +96,14 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gem
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     whole = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    pre = hy.LAYER_PREFIX.get(arch, "model.layers")  # (Nemotron-H's backbone.layers)
     if whole and whole.group(2) in LAYER_WHOLE.get(arch, {}):
-        return f"model.layers.{whole.group(1)}.{LAYER_WHOLE[arch][whole.group(2)]}"
+        return f"{pre}.{whole.group(1)}.{LAYER_WHOLE[arch][whole.group(2)]}"
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)  # (lfm2: shortconv.in_proj)
     layer_map = LAYER_MAPS[ARCHS[arch][2]]
     if m and m.group(2) in layer_map:
-        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}.{suffix}"
+        return f"{pre}.{m.group(1)}.{layer_map[m.group(2)]}.{suffix}"
     if base in (glob := {**GLOBAL_MAP, **hy.GLOBAL_MAPS.get(arch, {})}):
         return f"{glob[base]}.{suffix}"
     return None
@@ -122,12 +124,12 @@ class GGUFSource(Source):
         except Exception as e:  # the gguf package raises assorted errors on bad files
             raise ConvertError(f"{path}: not a readable GGUF file ({e.__class__.__name__}: {str(e)[:120]})") from None
         arch = self._field("general.architecture")
+        hy.refuse_moe(path, arch, self._field, [t.name for t in self.reader.tensors])  # (nemotron_h_moe too)
         if arch in MOE_ARCHS:
             raise ConvertError(f"{path}: GGUF architecture {arch!r} ({MOE_ARCHS[arch]}) has mixture-of-experts MLPs "
                                "(ffn_*_exps tensors), which sparkq does not run; sparkq runs dense MLPs (qwen35: Qwen3.5)")
         if arch not in ARCHS:
             raise ConvertError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
-        hy.refuse_moe(path, arch, self._field, [t.name for t in self.reader.tensors])
         self.arch = arch
         _, _, _, self.permuted, self.norm_shift = ARCHS[arch]
         self.tensors, self.rope_factors = {}, {}
@@ -196,7 +198,8 @@ class GGUFSource(Source):
             "architectures": [hf_arch],
             "model_type": model_type,
             "hidden_size": hidden,
-            "intermediate_size": int(self._field(f"{a}.feed_forward_length")),
+            # (nemotron_h: a width per block, 0 for the mixer blocks)
+            "intermediate_size": max(ff) if isinstance(ff := self._field(f"{a}.feed_forward_length"), list) else int(ff),
             "num_hidden_layers": layers,
             "num_attention_heads": heads,
             # (lfm2 / granitehybrid: a count per layer, 0 for the recurrent layers)
@@ -294,9 +297,9 @@ class GGUFSource(Source):
             arr = arr[:, self.col_map[name]]
         if name.endswith(hy.NEG_EXP):
             arr = np.log(-arr)  # ssm_a = -exp(A_log)
-        if self.permuted and name.endswith("self_attn.q_proj.weight"):
+        if self.permuted and name.endswith(hy.Q_PROJ):
             arr = unpermute(arr, self.heads)
-        elif self.permuted and name.endswith("self_attn.k_proj.weight"):
+        elif self.permuted and name.endswith(hy.K_PROJ):
             arr = unpermute(arr, self.kv_heads)
         if self._shifted(name):
             arr = arr - 1.0
@@ -340,7 +343,7 @@ class GGUFSource(Source):
         permutation spans a head; Qwen3.5's value-reordered rows are read in runs of a head each."""
         t = self.tensors[name]
         whole = len(self.shapes[name]) == 1 or self._shifted(name) or \
-            self.permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+            self.permuted and name.endswith(hy.Q_PROJ + hy.K_PROJ)
         if whole:
             return self._dequant(name)[r0:r1].to(torch.float32)
         if r1 <= r0:

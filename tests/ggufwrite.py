@@ -1,10 +1,11 @@
 """Tiny GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, from the tiny HF
 checkpoints of helpers.make_llama, helpers.make_hybrid (Qwen3.5) and ssm_models.make_ssm (LFM2,
-Granite 4.0-H): the same architecture names, tensor names, q/k permutation (llama, granite), ``1 + w``
-norms (gemma3, qwen35), Qwen3.5's DeltaNet transforms (``-exp(A_log)``, the squeezed conv, value
-heads tiled), LFM2's and Granite 4.0-H's (per-layer KV head counts, squeezed convs, the shared MLP
-split, ``-exp(A_log)``, A and D as [H, 1], the grouped norm), metadata keys and tokenizer fields. Written with gguf-py's own
-writer; the tests read them with sparkq and with transformers' GGUF loader."""
+Granite 4.0-H, Nemotron-H, Falcon-H1): the same architecture names, tensor names, q/k permutation
+(llama, granite, nemotron_h), ``1 + w`` norms (gemma3, qwen35), Qwen3.5's DeltaNet transforms
+(``-exp(A_log)``, the squeezed conv, value heads tiled), the hybrids' (per-layer KV head counts and
+MLP widths, squeezed convs, the shared MLP split, ``-exp(A_log)``, A and D as [H, 1], the grouped
+norm, Falcon-H1's multipliers folded into its weights), metadata keys and tokenizer fields. Written
+with gguf-py's own writer; the tests read them with sparkq and with transformers' GGUF loader."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,9 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
              "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
              "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
              "GraniteMoeHybridForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
-             "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35", "Lfm2ForCausalLM": "lfm2"}
+             "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35", "Lfm2ForCausalLM": "lfm2",
+             "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon-h1"}
+MAMBA_H = ("nemotron_h", "falcon-h1")  # (their metadata: mamba_hybrid_keys; their tensors: mamba_hybrid_tensors)
 PERMUTED = ("llama", "smollm3", "granite", "granitehybrid")  # llama.cpp's q/k row permutation (LlamaModel.permute)
 LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -150,6 +153,143 @@ def hybrid_keys(w, arch: str, cfg: dict) -> None:
     w.add_rope_scaling_finetuned(False)  # (RoPE off: the model has Mamba layers and is not Bamba)
 
 
+# Nemotron-H (NemotronHModel, under backbone.layers.N) and Falcon-H1 (FalconH1Model, under
+# model.layers.N): HF module -> GGUF block tensor; A_log, D, dt_bias: MAMBA_WHOLE (Falcon-H1's
+# pre_ff_layernorm.weight is blk.N.ffn_norm, no suffix: its exact name is in llama.cpp's tensor map)
+LAYER_NEMOTRON_H = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d",
+                    "mixer.norm": "ssm_norm", "mixer.out_proj": "ssm_out", "mixer.q_proj": "attn_q",
+                    "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v", "mixer.o_proj": "attn_output",
+                    "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down"}
+LAYER_FALCON_H1 = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mamba.in_proj": "ssm_in",
+                   "mamba.conv1d": "ssm_conv1d", "mamba.norm": "ssm_norm", "mamba.out_proj": "ssm_out",
+                   "feed_forward.gate_proj": "ffn_gate", "feed_forward.up_proj": "ffn_up",
+                   "feed_forward.down_proj": "ffn_down"}
+MAMBA_WHOLE = {"A_log": "ssm_a", "D": "ssm_d", "dt_bias": "ssm_dt.bias"}
+
+
+def nemotron_pattern(cfg: dict) -> str:
+    """The config's blocks as hybrid_override_pattern (M / * / - / E), what NemotronHModel reads
+    (transformers 5 saves them as layers_block_type)."""
+    if isinstance(cfg.get("hybrid_override_pattern"), str):
+        return cfg["hybrid_override_pattern"]
+    kinds = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-", "moe": "E"}
+    return "".join(kinds[t] for t in cfg["layers_block_type"])
+
+
+def mamba_hybrid_keys(w, arch: str, cfg: dict) -> None:
+    """The metadata NemotronHModel (through GraniteHybridModel, GraniteModel, LlamaModel) and
+    FalconH1Model (through Mamba2Model) write, each key at its last value. Nemotron-H: a dense
+    published config (hybrid_override_pattern, no expert fields; transformers 5's NemotronHConfig saves
+    MoE defaults, num_experts_per_tok, that would make llama.cpp write nemotron_h_moe), no RoPE
+    (context 2^20), the rope dimension hidden / heads (head_dim popped by GraniteModel), the head
+    width as key_length, the KV heads and MLP widths per block. Falcon-H1: no multiplier keys (folded
+    into the weights), SSM heads d_ssm / mamba_d_head, the KV heads one count."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"] if arch != "nemotron_h" else len(nemotron_pattern(cfg)))
+    w.add_head_count(heads)
+    w.add_vocab_size(cfg["vocab_size"])
+    if arch == "nemotron_h":
+        pat = nemotron_pattern(cfg)
+        w.add_context_length(2**20)
+        w.add_feed_forward_length([cfg["intermediate_size"] if c == "-" else 0 for c in pat])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if c == "*" else 0 for c in pat])
+        w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+        w.add_rope_dimension_count(hidden // heads)
+        w.add_ssm_conv_kernel(cfg["conv_kernel"])
+        w.add_ssm_state_size(cfg["ssm_state_size"])
+        w.add_ssm_group_count(cfg["n_groups"])
+        w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+        w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+        w.add_rope_scaling_finetuned(False)
+    else:
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_inner_size(cfg["mamba_d_ssm"])
+        w.add_ssm_state_size(cfg["mamba_d_state"])
+        w.add_ssm_time_step_rank(cfg["mamba_d_ssm"] // cfg["mamba_d_head"])
+        w.add_ssm_group_count(cfg["mamba_n_groups"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg["rope_theta"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+
+
+def falcon_fold(name: str, t: np.ndarray, cfg: dict) -> np.ndarray:
+    """FalconH1Model.modify_tensors' multiplier folding of the HF tensor name (fp32, as the converter
+    holds every tensor): the same substring tests in its order and the same torch float32 products,
+    bit for bit."""
+    import torch
+    x = torch.from_numpy(np.array(t, np.float32))
+    mlp, f = cfg["mlp_multipliers"], cfg.get
+    if "down_proj" in name:
+        x = x * mlp[1]
+    elif "gate_proj" in name:
+        x = x * mlp[0]
+    elif "k_proj" in name:
+        x = x * f("key_multiplier") * f("attention_in_multiplier")
+    elif "q_proj" in name or "v_proj" in name:
+        x = x * f("attention_in_multiplier")
+    elif "o_proj" in name:
+        x = x * f("attention_out_multiplier")
+    elif "out_proj" in name:
+        x = x * f("ssm_out_multiplier")
+    elif "in_proj" in name:
+        x = x * f("ssm_in_multiplier")
+        m, d, gn = cfg["ssm_multipliers"], cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+        for j, (a, b) in enumerate([(0, d), (d, 2 * d), (2 * d, 2 * d + gn), (2 * d + gn, 2 * d + 2 * gn),
+                                    (2 * d + 2 * gn, x.shape[0])]):
+            x[a:b, :] *= m[j]
+    elif "lm_head" in name:
+        x = x * f("lm_head_multiplier")
+    elif "embed_tokens" in name:
+        x = x * f("embedding_multiplier")
+    return x.numpy()
+
+
+def mamba_hybrid_tensors(tensors: dict, cfg: dict, arch: str) -> dict:
+    """GGUF name -> array of a Nemotron-H or Falcon-H1 checkpoint, as the converter writes them:
+    Mamba2Model's transforms (the conv squeezed to [C, K], A = -exp(A_log) and D as [H, 1], the norm
+    as [G, d / G], dt_bias as ssm_dt.bias), Nemotron-H's q/k permuted (LlamaModel's, through
+    GraniteHybridModel), Falcon-H1's multipliers folded (falcon_fold)."""
+    nem = arch == "nemotron_h"
+    pre, lmap = ("backbone.layers.", LAYER_NEMOTRON_H) if nem else ("model.layers.", LAYER_FALCON_H1)
+    groups = cfg["n_groups"] if nem else cfg["mamba_n_groups"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    glob = {"token_embd.weight": "backbone.embeddings.weight" if nem else "model.embed_tokens.weight",
+            "output_norm.weight": "backbone.norm_f.weight" if nem else "model.final_layernorm.weight"}
+    if not cfg.get("tie_word_embeddings", False):
+        glob["output.weight"] = "lm_head.weight"
+    out = {g: tensors[h] if nem else falcon_fold(h, tensors[h], cfg) for g, h in glob.items()}
+    for name, t in tensors.items():
+        if not name.startswith(pre):
+            continue
+        i, hf = name[len(pre):].split(".", 1)
+        module, _, suffix = hf.rpartition(".")
+        if not nem:
+            t = falcon_fold(name, t, cfg)
+        if suffix in MAMBA_WHOLE:  # (A = -exp(A_log), torch's float32 exp; A and D as [H, 1])
+            out[f"blk.{i}.{MAMBA_WHOLE[suffix]}"] = -_exp(t)[:, None] if suffix == "A_log" \
+                else t[:, None] if suffix == "D" else t
+            continue
+        if hf == "pre_ff_layernorm.weight":
+            out[f"blk.{i}.ffn_norm"] = t
+            continue
+        if t.ndim == 3:  # the depthwise conv squeezed
+            t = t.reshape(t.shape[0], t.shape[2])
+        elif module.endswith(".norm") and module != "norm":  # the Mamba norm, grouped
+            t = t.reshape(groups, -1)
+        elif nem and module == "mixer.q_proj":
+            t = permute(t, heads, heads)
+        elif nem and module == "mixer.k_proj":
+            t = permute(t, heads, kv)
+        out[f"blk.{i}.{lmap[module]}.{suffix}"] = t
+    return out
+
+
 def spm_vocab(size: int, gemma: bool) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary: control tokens, 256 byte tokens, then pieces whose merges
     build a few English words (scores fall with the index, as sentencepiece writes them)."""
@@ -215,17 +355,20 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")  # transformers would read a "mistral" in the name as an architecture gguf-py lacks
-    w.add_context_length(2**20 if arch == "granitehybrid" else cfg.get("max_position_embeddings", 2048))
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"] + (mtp if qwen35 else 0))
-    w.add_feed_forward_length(lfm2_ff(cfg) if arch == "lfm2" else cfg["intermediate_size"] if hybrid
-                              else cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
-    w.add_head_count(heads)
-    # (LFM2 and Granite 4.0-H: per layer, 0 for a conv / Mamba layer)
-    w.add_head_count_kv([kv if t in attn_types else 0 for t in cfg["layer_types"]] if hybrid else kv)
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps") or cfg["norm_eps"]))
     rp = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rp["rope_theta"] if qwen35 or hybrid else cfg.get("rope_theta", 10000.0)))
+    if arch in MAMBA_H:
+        mamba_hybrid_keys(w, arch, cfg)
+    else:
+        w.add_context_length(2**20 if arch == "granitehybrid" else cfg.get("max_position_embeddings", 2048))
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_block_count(cfg["num_hidden_layers"] + (mtp if qwen35 else 0))
+        w.add_feed_forward_length(lfm2_ff(cfg) if arch == "lfm2" else cfg["intermediate_size"] if hybrid
+                                  else cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
+        w.add_head_count(heads)
+        # (LFM2 and Granite 4.0-H: per layer, 0 for a conv / Mamba layer)
+        w.add_head_count_kv([kv if t in attn_types else 0 for t in cfg["layer_types"]] if hybrid else kv)
+        w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps") or cfg["norm_eps"]))
+        w.add_rope_freq_base(float(rp["rope_theta"] if qwen35 or hybrid else cfg.get("rope_theta", 10000.0)))
     if hybrid:
         hybrid_keys(w, arch, cfg)
     if arch in PERMUTED:
@@ -254,7 +397,7 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
                          ("attention_multiplier", w.add_attention_scale), ("logits_scaling", w.add_logit_scale)):
             if cfg.get(key) is not None:
                 add(float(cfg[key]))
-    if arch in ("qwen3", "gemma3", "qwen35") or head_dim != cfg["hidden_size"] // heads:
+    if arch in ("qwen3", "gemma3", "qwen35") or head_dim != cfg["hidden_size"] // heads and arch not in MAMBA_H:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if gemma and cfg.get("sliding_window"):
@@ -318,8 +461,9 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", spm: bool | None = None
             return
         w.add_tensor(name, arr)
 
-    if qwen35:
-        for name, arr in qwen35_tensors(tensors, cfg, mtp).items():
+    if qwen35 or arch in MAMBA_H:
+        made = qwen35_tensors(tensors, cfg, mtp) if qwen35 else mamba_hybrid_tensors(tensors, cfg, arch)
+        for name, arr in made.items():
             put(name, arr)
         return _finish(w, out)
     if arch == "phi3" and rp.get("rope_type") == "longrope":

@@ -210,6 +210,27 @@ def test_lfm2_legacy_config_names(tmp_path):
     assert [i for i, t in enumerate(s.mixers) if t == C.MIXER_ATTENTION] == [2, 5, 8, 10, 12, 14]
 
 
+@pytest.mark.parametrize("arch", ("lfm2", "falcon_h1"))
+def test_chat_continues_the_state(arch, tmp_path):
+    """chat over a recurrent state: the next turn prefills only its new tokens where the history
+    re-encodes to what the state holds, else all of it (the state cannot be cut back)"""
+    from helpers import CHATML
+    from sparkq.runtime.chat import ChatSession
+    from sparkq.runtime.lite import load as load_lite
+    src = make_ssm(tmp_path / "src", arch)
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "chat_template": CHATML}))
+    out = tmp_path / "art"
+    convert(str(src), str(out), Options(progress=False, method="minmax"))
+    chat = ChatSession(load_lite(str(out), max_model_len=256))
+    "".join(chat.turn("hello there", max_new_tokens=6))
+    held = len(chat.cached)
+    "".join(chat.turn("and again", max_new_tokens=6))
+    assert chat.last["prefilled"] in (chat.last["prompt_tokens"] - held, chat.last["prompt_tokens"])
+    chat.messages[0]["content"] = "hello there!"
+    "".join(chat.turn("once more", max_new_tokens=4))
+    assert chat.last["prefilled"] == chat.last["prompt_tokens"]
+
+
 def _engines(out, slots, **kw):
     from sparkq.runtime.lite import load as load_lite
     from sparkq.runtime.serve.engine import Engine
