@@ -289,7 +289,7 @@ def probe(source, spec, srcs, linears, ids, read_rows, bar=None,
             if head_importance is not None:
                 head_importance[lin.name] = imp
         options[lin.name] = _options(lin, w, x, imp)
-        if cal is not None and role_of(lin.name) in C.LAYER_LINEARS:
+        if cal is not None and role_of(lin.name) in C.FORWARD_LINEARS:
             cal.advance(lin.name, _forward_weight(read_rows(lin, 0, lin.n)))
         if bar is not None:
             bar.update(1)

@@ -41,12 +41,10 @@ BUNDLED = Path(__file__).parent / "data" / "calibration.txt"
 
 def uncalibrated(config: dict) -> str | None:
     """What in a config the calibration forward does not run (None: it runs the model): Gemma 4's
-    per-layer inputs and shared KV caches, Falcon-H1's parallel layers."""
+    per-layer inputs and shared KV caches."""
     c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     if c.get("hidden_size_per_layer_input") or c.get("num_kv_shared_layers"):
         return "per-layer inputs or shared KV caches (Gemma 4)"
-    if c.get("model_type") == "falcon_h1" or "FalconH1ForCausalLM" in (c.get("architectures") or ()):
-        return "parallel attention and Mamba-2 layers (Falcon-H1)"
     return None
 
 
@@ -171,6 +169,7 @@ class Calibration:
             self.x *= spec.embed_mult
         self.inp: torch.Tensor | None = None  # input of the next linear
         self.inp_of: str | None = None  # the linear self.inp was computed for by inputs()
+        self.mix_in: torch.Tensor | None = None  # a parallel layer's normed input, for its Mamba-2 branch
         # linear name -> (sequence j, E [N, K]): that sequence's tokens see W - E there instead of W
         # (convert/sensitivity.py); the relative output error it made goes into self.rel_error
         self.errors: dict[str, tuple[int, torch.Tensor]] = {}
@@ -216,6 +215,10 @@ class Calibration:
             self.inp = None  # before the next one is computed: one copy at a time
         if role in (C.ROLE_QKV, C.ROLE_GATE):  # (the gate reads the mixer's input too)
             self.inp = self.layers.attn_in(self.x, int(layer.split(".")[1]))
+            # a parallel layer's Mamba-2 branch reads the same normed input after attention's output is in
+            self.mix_in = self.inp if self.spec.mixers[int(layer.split(".")[1])] == C.MIXER_PARALLEL else None
+        elif role in (C.ROLE_SSM_IN, C.ROLE_SSM_GATE):
+            self.inp = self.mix_in
         elif role == C.ROLE_GATE_UP:
             self.inp = self.layers.mlp_in(self.x, int(layer.split(".")[1]))
         elif name == C.ROLE_LM_HEAD:
@@ -258,7 +261,7 @@ class Calibration:
     def _advance(self, name: str, w) -> None:
         self.inp_of = None
         layer, _, role = name.rpartition(".")
-        if role not in C.LAYER_LINEARS:  # the head ends the forward: no logits needed
+        if role not in C.FORWARD_LINEARS:  # the head ends the forward: no logits needed
             self.inp = None
             return
         if role == C.ROLE_GATE_UP:  # per window: the [tokens, 2*intermediate] product is the largest transient
@@ -293,7 +296,12 @@ class Calibration:
                 y[t0:t0 + step] = _mm(self.inp[t0:t0 + step].float(), w)
         y = self.perturb(name, self.inp, y)
         i = int(layer.split(".")[1])
-        if role == C.ROLE_QKV and self.spec.mixers[i] != C.MIXER_ATTENTION:
+        if role == C.ROLE_SSM_IN:  # a parallel layer's Mamba-2 branch (its z | dt from ssm_gate's bf16 rows)
+            n, t = self.seqs, self.seq_len
+            zdt = (self.inp.float() @ self._vec(f"layers.{i}.{C.ROLE_SSM_GATE}").to(torch.bfloat16).float().T).view(n, t, -1)
+            self.inp = self.layers.recurrent(i, y.view(n, t, -1), zdt, None)[0].reshape(n * t, -1)
+            self.mix_in = None
+        elif role == C.ROLE_QKV and self.spec.mixers[i] not in (C.MIXER_ATTENTION, C.MIXER_PARALLEL):
             # a recurrent mixer: its gate linear (if any: GDN's z | b | a, Mamba's z | dt) from the
             # mixer's input, its bf16 weight as stored (the pipeline quantizes it uncalibrated, as the
             # attention output gate); each window from an empty state
@@ -307,8 +315,8 @@ class Calibration:
             if self.spec.attn_gate:  # the output gate, from the attention's input (its bf16 weight as stored)
                 g = self.inp.float() @ self._vec(f"layers.{i}.{C.ROLE_GATE}").to(torch.bfloat16).float().T
             self.inp = self.layers.gate(self._attention(i, y), g)
-        else:  # o, down: residual add
-            self.x += self.layers.branch(y, i, role)  # in place: one stream alive
+        else:  # o, down, ssm_out: residual add
+            self.x += self.layers.branch(y, i, C.ROLE_O if role == C.ROLE_SSM_OUT else role)  # in place: one stream alive
             self.inp = None
 
     def _attention(self, i: int, qkv: torch.Tensor) -> torch.Tensor:

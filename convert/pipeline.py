@@ -129,7 +129,7 @@ def convert(src: str, out: str, opts: Options) -> dict:
                             continue
                         # (the calibration forward applies the output gate from its bf16 source rows itself)
                         lin = by_name[item]
-                        calibrated = (cal is not None and item != C.ROLE_EMBED and role_of(item) != C.ROLE_GATE
+                        calibrated = (cal is not None and item != C.ROLE_EMBED and role_of(item) not in (C.ROLE_GATE, C.ROLE_SSM_GATE)
                                       and not item.startswith("mtp."))  # (the MTP block: outside the forward)
                         with cal_time():
                             # emptied by gptq_factor, which frees H early and recomputes it if H needs more damping

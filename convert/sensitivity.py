@@ -79,6 +79,9 @@ def _kls(x: torch.Tensor, t: int, spec, head_rows, n: int, head_seq: int) -> tup
     return kl.tolist(), (num / den if den > 0 else 0.0)
 
 
+PROXY = {C.ROLE_SSM_IN: C.ROLE_QKV, C.ROLE_SSM_OUT: C.ROLE_O}  # roles not probed -> the probed role taken for them
+
+
 def sensitivities(source, spec, srcs, linears, ids: torch.Tensor, weight, bar=None) -> dict[str, float]:
     """name -> KL per unit of relative output error for every linear in ``linears`` (LinearEntry,
     file order; the tied head's value adds the embedding's). ``weight(lin, r0, r1)`` gives a
@@ -93,7 +96,7 @@ def sensitivities(source, spec, srcs, linears, ids: torch.Tensor, weight, bar=No
 
     ids = ids.reshape(-1)[:TOKENS].view(1, -1)
     t = ids.shape[1]
-    layer_lins = [l for l in linears if role_of(l.name) in C.LAYER_LINEARS]
+    layer_lins = [l for l in linears if role_of(l.name) in C.FORWARD_LINEARS]
     head = next(l for l in linears if l.name == C.ROLE_LM_HEAD)
     embed = next((l for l in linears if l.name == C.ROLE_EMBED), head if spec.tied else None)
     picks = sampled_layers(spec.layers)
@@ -130,7 +133,7 @@ def sensitivities(source, spec, srcs, linears, ids: torch.Tensor, weight, bar=No
     sens = {n: (kls[j] / rel[n] if rel.get(n, 0.0) > 0 else 0.0) for n, j in seq_of.items()}
     out = {n: sens[n] for n in (C.ROLE_LM_HEAD, C.ROLE_EMBED) if n in sens}
     for lin in layer_lins:
-        role = role_of(lin.name)
+        role = PROXY.get(role_of(lin.name), role_of(lin.name))  # (a parallel branch's: as the attention's)
         out[lin.name] = float(np.interp(int(lin.name.split(".")[1]), picks, [sens[f"layers.{i}.{role}"] for i in picks]))
     if spec.tied and C.ROLE_EMBED in out:  # one matrix: its errors cost at the head and at the embedding
         out[C.ROLE_LM_HEAD] += out.pop(C.ROLE_EMBED)

@@ -105,6 +105,9 @@ ROW_READ = (ROLE_PLE_EMBED,)  # linears read a row per token from the mapping (a
 # a parallel layer's Mamba-2 branch (Falcon-H1: attention and Mamba-2 side by side on one normed input):
 # its in_proj's x | B | C rows, its z | dt rows, its out_proj
 ROLE_SSM_IN, ROLE_SSM_GATE, ROLE_SSM_OUT = "ssm_in", "ssm_gate", "ssm_out"
+# the layer linears the calibration forward moves its activations through (a gate's product is
+# applied from its bf16 rows by the mixer's math)
+FORWARD_LINEARS = LAYER_LINEARS + (ROLE_SSM_IN, ROLE_SSM_OUT)
 ROLES = LAYER_LINEARS + (ROLE_GATE,) + HEAD_ROLES + (ROLE_PLE_EMBED, ROLE_PLE_MODEL, ROLE_PLE_GATE, ROLE_PLE_PROJ,
                                                      ROLE_SSM_IN, ROLE_SSM_GATE, ROLE_SSM_OUT)
 LAYER_NORMS = ("attn_norm", "mlp_norm")
