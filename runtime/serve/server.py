@@ -6,17 +6,16 @@ here by hand so every refusal names its field). The model runs on the torch-free
 engine (engine.py) runs on its own thread, and each request's events cross to the event loop
 through an asyncio queue.
 
-Endpoints: GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, POST
-/v1/responses (oairesponses.py), POST /tokenize and /detokenize, GET /tokenizer_info (tokenize.py), GET
-/metrics (metrics.py), GET / (the chat page, static/index.html); streaming as server-sent events
-ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control (sampling.py),
-``response_format`` json_object / json_schema and ``tools`` (structured.py, tools.py), logprobs and
-``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. A response
-holds n choices per prompt (completions: a batch of prompts), each its own engine request; echo
-returns the prompt with its log-probabilities. Errors use OpenAI's shape
-{"error": {"message", "type", "param", "code"}}: 400 malformed or unsupported, 401 bad key,
-404 unknown model or route, 413 body too large, 429 queue full, 503 engine failed. A client that
-disconnects frees its slot before the next decode step.
+Endpoints: GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
+(oairesponses.py), POST /v1/messages[/count_tokens] (Anthropic's, anthropic.py), POST /tokenize and /detokenize,
+GET /tokenizer_info (tokenize.py), GET /metrics (metrics.py), GET / (the chat page, static/index.html); streaming
+as server-sent events ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control
+(sampling.py), ``response_format`` json_object / json_schema and ``tools`` (structured.py, tools.py), logprobs and
+``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. A response holds n
+choices per prompt (completions: a batch of prompts), each its own engine request; echo returns the prompt with
+its log-probabilities. Errors use OpenAI's shape (the Messages API: Anthropic's) {"error": {"message", "type",
+"param", "code"}}: 400 malformed or unsupported, 401 bad key, 404 unknown model or route, 413 body too large, 429
+queue full, 503 engine failed. A client that disconnects frees its slot before the next decode step.
 """
 from __future__ import annotations
 
@@ -44,12 +43,13 @@ from .responses import Collected, EventStream, Responses
 from .structured import response_format_schema
 from .tokenize import Tokenize
 from .oairesponses import ResponsesAPI
+from .anthropic import MessagesAPI
 from .protocol import (CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, thinking_kwargs,
                        unsupported)
 from .protocol import error as error_response
 
 
-class App(Responses, Tokenize, ResponsesAPI):
+class App(Responses, Tokenize, ResponsesAPI, MessagesAPI):
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, cors_origins=()):
         self.engine, self.name, self.api_key = engine, model_name, api_key
         from .metrics import Metrics
@@ -72,6 +72,7 @@ class App(Responses, Tokenize, ResponsesAPI):
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/responses", self.responses, methods=["POST"]),
+                  Route("/v1/messages", self.messages, methods=["POST"]), Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
@@ -81,24 +82,24 @@ class App(Responses, Tokenize, ResponsesAPI):
             from starlette.middleware import Middleware
             from starlette.middleware.cors import CORSMiddleware
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                                         allow_headers=["authorization", "content-type"]))
+                                         allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"]))
         self.asgi = Starlette(routes=routes, middleware=middleware,
                               exception_handlers={HTTPException: self._http_error, Exception: self._crash})
 
     async def _http_error(self, request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        return self.shaped(request, error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code))
 
     async def _crash(self, request, exc):
-        return error(500, f"internal error: {exc.__class__.__name__}: {exc}", type_="server_error")
+        return self.shaped(request, error(500, f"internal error: {exc.__class__.__name__}: {exc}", type_="server_error"))
 
     def _auth(self, request: Request) -> JSONResponse | None:
         if not self.api_key:
             return None
         h = request.headers.get("authorization", "")
-        key = h[7:] if h.lower().startswith("bearer ") else ""
+        key = h[7:] if h.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(key.encode(), self.api_key.encode()):
-            return error(401, "invalid or missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
+            return error(401, "invalid or missing API key: send Authorization: Bearer KEY or x-api-key: KEY", code="invalid_api_key")
         return None
 
     def grammars(self):
