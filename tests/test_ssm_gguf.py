@@ -31,10 +31,14 @@ FAMILY = {"lfm2": "lfm2", "granite_h": "granitemoehybrid", "nemotron_h": "nemotr
 MAMBA_PARAMS = tuple(f"{m}.{p}" for m in ("mamba", "mixer") for p in ("A_log", "dt_bias", "D", "conv1d.weight",
                                                                      "conv1d.bias", "norm.weight"))
 # Falcon-H1: the GGUF holds the weights times the multipliers, which sparkq reads rounded to bf16
-# (as `sparkq import-gguf` writes them); the checkpoint's artifact scales its bf16 weights in fp32
-# before quantizing. The logits' difference of the two artifacts, measured: FALCON_MEASURED of the
-# largest logit; the test allows FALCON_TOL
-FALCON_TOL, FALCON_IMPORT_TOL = None, None
+# (as `sparkq import-gguf` writes them), while the checkpoint's artifact scales its bf16 weights in
+# fp32 before quantizing: some int4 codes round the other way. Measured on the tiny model (largest
+# logit difference / largest logit): the GGUF's artifact vs the checkpoint's 0.111, each vs the
+# fp32 transformers logits 0.318 and 0.308 (root mean square 0.0672 and 0.0685: the GGUF's no
+# farther from the model than the checkpoint's); the imported checkpoint (folded, bf16) vs the
+# original in transformers 0.0057. Allowed: FALCON_TOL, FALCON_IMPORT_TOL, and the GGUF artifact's
+# RMS error against the fp32 logits at most FALCON_RMS_RATIO times the checkpoint artifact's
+FALCON_TOL, FALCON_IMPORT_TOL, FALCON_RMS_RATIO = 0.15, 0.01, 1.1
 
 
 @pytest.fixture(scope="module", params=["lfm2", "granite_h", "nemotron_h", "falcon_h1"])
@@ -72,14 +76,16 @@ def test_gguf_tensors_and_config_are_the_checkpoints(ssm, qtype):
         assert a.shapes == b.shapes
         for n in sorted(a.shapes):
             x, y = _all(a, n), _all(b, n)
-            if arch == "falcon_h1" and not n.endswith(MAMBA_PARAMS):
-                x = _folded(src, n, x)
-            if n.endswith("A_log"):
+            if arch == "falcon_h1" and ":" in n:  # (views: the checkpoint's scale by its multipliers in fp32,
+                torch.testing.assert_close(y, x, rtol=2**-8, atol=0, msg=n)  # the GGUF's by 1, read in bf16)
+            elif arch == "falcon_h1" and not n.endswith(MAMBA_PARAMS):
+                assert torch.equal(_folded(src, n, x), y), n
+            elif n.endswith("A_log"):
                 torch.testing.assert_close(y, x, rtol=0, atol=5e-7)
             else:
                 assert torch.equal(x, y), n
             if n.endswith(MAMBA_PARAMS):
-                assert b.fp32(n) and y.dtype == torch.float32, n
+                assert getattr(b, "base", b).fp32(n) and y.dtype == torch.float32, n
             rows = a.shapes[n][0]
             if rows > 1 and not n.endswith("A_log"):
                 parts = torch.cat([b.read_rows(n, r, min(rows, r + 7)) for r in range(0, rows, 7)])
@@ -158,7 +164,8 @@ def _logits(path):
 
 
 def test_gguf_converts_and_imports_as_the_checkpoint(ssm):
-    """spark-convert of the GGUF gives an artifact with the checkpoint's artifact's logits; `sparkq
+    """spark-convert of the GGUF gives an artifact with the checkpoint's artifact's logits (Falcon-H1's
+    within its folding's rounding, FALCON_TOL, and no farther from the fp32 model); `sparkq
     import-gguf` gives a checkpoint (Mamba parameters fp32) that transformers runs as the original."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -172,16 +179,21 @@ def test_gguf_converts_and_imports_as_the_checkpoint(ssm):
     convert(str(gg), str(d / "gg"), OPTS)
     la, lb = _logits(d / "st"), _logits(d / "gg")
     assert (la - lb).abs().max() <= tol * la.abs().max(), ((la - lb).abs().max() / la.abs().max()).item()
-
-    imp = d / "imported"
-    import_gguf(str(gg), str(imp), progress=False)
-    if arch == "granite_h":
-        with safe_open(str(imp / "model.safetensors"), "pt") as f:
-            assert f.get_slice("model.layers.0.mamba.A_log").get_dtype() == "F32"
-            assert f.get_slice("model.layers.0.mamba.in_proj.weight").get_dtype() == "BF16"
     ids = torch.tensor([SEQ])
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits[0]
+    if arch == "falcon_h1":
+        rms_a, rms_b = ((la - want).pow(2).mean().sqrt(), (lb - want).pow(2).mean().sqrt())
+        assert rms_b <= FALCON_RMS_RATIO * rms_a, (rms_b / rms_a).item()
+
+    imp = d / "imported"
+    import_gguf(str(gg), str(imp), progress=False)
+    if arch != "lfm2":
+        pre = "backbone.layers.0.mixer" if arch == "nemotron_h" else "model.layers.0.mamba"
+        with safe_open(str(imp / "model.safetensors"), "pt") as f:
+            assert f.get_slice(f"{pre}.A_log").get_dtype() == "F32"
+            assert f.get_slice(f"{pre}.in_proj.weight").get_dtype() == "BF16"
+    with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(imp, dtype=torch.float32).eval()(ids).logits[0]
     assert (got - want).abs().max() <= import_tol * want.abs().max(), ((got - want).abs().max() / want.abs().max()).item()
 
