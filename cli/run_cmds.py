@@ -205,3 +205,44 @@ def serve(
          max_model_len=max_model_len, threads=threads, model_name=model_name, max_queue=max_queue,
          prefix_cache=prefix_cache, echo=lambda s: typer.echo(s, err=True), cors_origins=tuple(cors_origin),
          batch_tiles=batch_tiles, **spec, **_kv(kv_dtype))
+
+
+@app.command()
+def embed(
+    model: str = typer.Argument(..., help="a rows32 artifact dir, Hub repo id org/name[@revision], or a bf16 HF checkpoint dir"),
+    texts: list[str] = typer.Argument(..., help="texts to embed (a query's instruction prefix is part of its text)"),
+    dimensions: Optional[int] = typer.Option(None, "--dimensions", help="Matryoshka: keep the first N, re-normalized"),
+    as_json: bool = typer.Option(False, "--json", help="print the full vectors as JSON"),
+    kv_budget_mib: float = OPT_KV_BUDGET,
+    kv_dtype: Optional[str] = OPT_KV_DTYPE,
+    max_model_len: Optional[int] = OPT_MAX_MODEL_LEN,
+    threads: Optional[int] = OPT_THREADS,
+):
+    """Embeddings of texts (the pooling the model's sentence-transformers files name, else the last token;
+    docs/serving.md "Embeddings and rerank"): a table of dims and norms, or --json the vectors."""
+    import numpy as np
+
+    from sparkq.runtime.embedding import Embedder, encode, pool, shaped
+
+    m = open_model(model, "auto", "auto", max_model_len=max_model_len, kv_budget_mib=kv_budget_mib, threads=threads,
+                   **_kv(kv_dtype))
+    e = _run(Embedder, m)
+    hidden = e.session.spec.hidden
+    if dimensions is not None and not 1 <= dimensions <= hidden:
+        _fail(f"--dimensions must be in 1..{hidden}, got {dimensions}")
+    rows = []
+    for t in texts:
+        if not t:
+            _fail("an empty text: give at least one character")
+        ids = encode(e.tok, t)
+        raw = pool(_run(e.hidden, ids), e.pooling.mode)
+        rows.append((t, len(ids), float(np.linalg.norm(raw)), shaped(raw, dimensions, e.pooling.normalize)))
+    if as_json:
+        typer.echo(json.dumps([{"text": t, "tokens": n, "embedding": v.tolist()} for t, n, _, v in rows]))
+        return
+    typer.echo(f"pooling: {e.pooling.mode}{', normalized' if e.pooling.normalize else ''} "
+               f"({'sentence-transformers files' if e.pooling.embedding_model else 'default: no sentence-transformers files'})")
+    typer.echo(f"{'#':>3} {'tokens':>6} {'dims':>5} {'pooled norm':>11} {'norm':>6}  first values / text")
+    for i, (t, n, raw_norm, v) in enumerate(rows):
+        head = " ".join(f"{x:+.4f}" for x in v[:4])
+        typer.echo(f"{i:>3} {n:>6} {v.size:>5} {raw_norm:>11.4f} {float(np.linalg.norm(v)):>6.4f}  {head}  {t[:40]!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -76,7 +77,27 @@ def carry_files(source, tmp: Path) -> list[str]:
             if p.is_file() and name not in source.extra_files:
                 shutil.copyfile(p, tmp / name)
                 carried.append(name)
+        carried += _carry_sentence_transformers(source.directory, tmp)
     return sorted(carried)
+
+
+def _carry_sentence_transformers(src: Path, tmp: Path) -> list[str]:
+    """An embedding model's sentence-transformers files (its pooling: runtime/embedding.py): modules.json,
+    its modules' JSON configs (1_Pooling/config.json), config_sentence_transformers.json, sentence_bert_config.json"""
+    names = [n for n in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json")
+             if (src / n).is_file()]
+    try:
+        modules = json.loads((src / "modules.json").read_text()) if "modules.json" in names else []
+    except (OSError, ValueError):
+        modules = []
+    for m in modules if isinstance(modules, list) else []:
+        sub = m.get("path") if isinstance(m, dict) else None
+        if isinstance(sub, str) and sub and "/" not in sub and not sub.startswith(".") and (src / sub).is_dir():
+            names += [f"{sub}/{p.name}" for p in sorted((src / sub).glob("*.json"))]
+    for n in names:
+        (tmp / n).parent.mkdir(exist_ok=True)
+        shutil.copyfile(src / n, tmp / n)
+    return names
 
 
 def heap_trimmer():

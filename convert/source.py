@@ -113,7 +113,9 @@ class SafetensorsSource(Source):
 
 # Files fetched from the Hub for a conversion (never pickles).
 HUB_PATTERNS = ["config.json", "model.safetensors", "model-*.safetensors", "model.safetensors.index.json",
-                "README.md", *C.TOKENIZER_FILES]
+                "README.md", *C.TOKENIZER_FILES,
+                # an embedding model's pooling (runtime/embedding.py; carried by convert/output.py)
+                "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json", "*_Pooling/*.json"]
 
 
 def read_fused_rows(source: Source, parts: list[str], part_rows: list[int], r0: int, r1: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 VARIANT_FILES = ["config.json", "sparkq.json", "model.sparkq.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
-                 "measurements/*.json"]
+                 "measurements/*.json", "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
+                 "*_Pooling/*.json"]
 
 
 def variant_patterns(layout: str) -> list[str]:

@@ -7,9 +7,9 @@ engine (engine.py) runs on its own thread, and each request's events cross to th
 through an asyncio queue.
 
 Endpoints: GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
-(oairesponses.py), POST /v1/messages[/count_tokens] (Anthropic's, anthropic.py), POST /tokenize and /detokenize,
-GET /tokenizer_info (tokenize.py), GET /metrics (metrics.py), GET / (the chat page, static/index.html); streaming
-as server-sent events ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control
+(oairesponses.py), POST /v1/messages[/count_tokens] (Anthropic's, anthropic.py), POST /v1/embeddings, /v1/rerank
+(embed.py), POST /tokenize, /detokenize, GET /tokenizer_info (tokenize.py), GET /metrics (metrics.py), GET / (the
+chat page, static/index.html); streaming as server-sent events ending in ``data: [DONE]`` (responses.py). Requests carry every sampling control
 (sampling.py), ``response_format`` json_object / json_schema and ``tools`` (structured.py, tools.py), logprobs and
 ``chat_template_kwargs``; reasoning models' <think> comes back as ``reasoning_content``. A response holds n
 choices per prompt (completions: a batch of prompts), each its own engine request; echo returns the prompt with
@@ -44,12 +44,13 @@ from .structured import response_format_schema
 from .tokenize import Tokenize
 from .oairesponses import ResponsesAPI
 from .anthropic import MessagesAPI
+from .embed import EmbedAPI
 from .protocol import (CHAT, COMPLETION, MAX_BODY, MAX_STOP, BadRequest, error, message_text, number, thinking_kwargs,
                        unsupported)
 from .protocol import error as error_response
 
 
-class App(Responses, Tokenize, ResponsesAPI, MessagesAPI):
+class App(Responses, Tokenize, ResponsesAPI, MessagesAPI, EmbedAPI):
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, cors_origins=()):
         self.engine, self.name, self.api_key = engine, model_name, api_key
         from .metrics import Metrics
@@ -75,7 +76,7 @@ class App(Responses, Tokenize, ResponsesAPI, MessagesAPI):
                   Route("/v1/messages", self.messages, methods=["POST"]), Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
-                  Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+                  Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]), *self.embed_routes(),
                   Route("/metrics", self.metrics_page, methods=["GET"]), Route("/", self.page, methods=["GET"])]
         middleware = []
         if cors_origins:  # a web app on another origin may call the API (--cors-origin)

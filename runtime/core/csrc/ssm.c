@@ -3,7 +3,8 @@
  * MIXER_SCONV, a gated short convolution (LFM2 / LFM3). From one token's qkv product B | C | x [3 E]:
  *   u[ch] = B[ch] x[ch]; c = (((0 + w0 s0) + w1 s1) ...) + w[K-1] u (the conv over the last K - 1 u,
  *   no activation; the state then shifted); out[ch] = C[ch] c.
- * MIXER_MAMBA, a Mamba-2 layer (Granite 4.0-H). From the qkv product x | B | C [Cm] and the gate product
+ * MIXER_MAMBA, a Mamba-2 layer (Granite 4.0-H, Nemotron-H; Falcon-H1's MIXER_PARALLEL branch through its
+ * ssm_in / ssm_gate / ssm_out: parallel_step, parallel_rows). From the qkv product x | B | C [Cm] and the gate product
  *   z | dt [inner + H]:
  *   conv   xBC = silu(bias + conv(x | B | C)) over the last K - 1 inputs (gdn.c's conv, with a bias)
  *   state  per head h (group g = h / (H / G)): dt = softplus(dt_h + dt_bias[h]), a = exp(-exp(a_log[h]) dt);
