@@ -64,6 +64,10 @@ SHAPES = {
 }
 
 
+# Qwen3-Embedding-0.6B / Qwen3-Reranker-0.6B (Qwen3-0.6B's geometry: 28 layers, 16 query / 8 KV heads of
+# 128, an MLP of 3072, a tied 151669-row embedding)
+SHAPES["qwen3-0.6b"] = {**SHAPES["qwen3-1.7b"], "hidden_size": 1024, "intermediate_size": 3072,
+                        "num_key_value_heads": 8, "vocab_size": 151669, "max_position_embeddings": 32768}
 SHAPES["qwen3.5-2b"] = {**SHAPES["qwen3.5-0.8b"], "hidden_size": 2048, "intermediate_size": 6144}
 # Gemma 4 E2B (google/gemma-4-E2B's text_config): 35 layers (4 sliding of head dim 256, then a full
 # one of 512), one KV head, the last 20 layers reading layers 13 / 14's KV caches with MLPs twice as
