@@ -266,16 +266,17 @@ def mixer_state(spec: "ModelSpec", slots: int, alloc: Callable) -> list[dict | N
     return out
 
 
-def recurrent_widths(spec: "ModelSpec") -> tuple[int, int]:
-    """(qkv rows, gate rows) of the model's recurrent layers (one kind per model): what a rewind keeps
-    per row of each (runtime/core/rewind.py); (0, 0) without such layers."""
+def recurrent_widths(spec: "ModelSpec") -> tuple[int, int, int]:
+    """(qkv rows, gate rows, output width) of the model's recurrent layers (one kind per model): what a
+    rewind keeps per row of each and what the mixer writes (runtime/core/rewind.py, csrc mix_widths);
+    (0, 0, 0) without such layers."""
     for i, name in enumerate(spec.mixers):
         if MIXERS[name].state(spec):
             lin = MIXERS[name].linears(spec, i)
-            if C.ROLE_SSM_IN in lin:  # (a parallel layer: its Mamba-2 branch's)
-                return lin[C.ROLE_SSM_IN][0], lin[C.ROLE_SSM_GATE][0]
-            return lin[C.ROLE_QKV][0], lin[C.ROLE_GATE][0] if C.ROLE_GATE in lin else 0
-    return 0, 0
+            q, g, o = (C.ROLE_SSM_IN, C.ROLE_SSM_GATE, C.ROLE_SSM_OUT) if C.ROLE_SSM_IN in lin else (
+                C.ROLE_QKV, C.ROLE_GATE, C.ROLE_O)  # (a parallel layer: its Mamba-2 branch's)
+            return lin[q][0], lin[g][0] if g in lin else 0, lin[o][1]
+    return 0, 0, 0
 
 
 def state_bytes(spec: "ModelSpec") -> int:

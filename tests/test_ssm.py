@@ -100,11 +100,10 @@ def test_c_mixer_matches_the_torch_math_and_any_split(arch, build, ssm, monkeypa
     _, out, _, _, _ = ssm(arch)
     m, i, lay = _mix_case(out, build, monkeypatch)
     s, spec = m.session, m.spec
-    wq, wz = recurrent_widths(spec)
+    wq, wz, no = recurrent_widths(spec)
     rng = np.random.default_rng(3)
     qkv = rng.standard_normal((9, wq)).astype(np.float32)
     g = rng.standard_normal((9, max(wz, 1))).astype(np.float32)
-    no = s.layers[i].ssm_out.k or s.layers[i].o.k  # (a parallel layer's branch: ssm_out's input)
     names = list(MIXERS[spec.mixers[i]].state(spec))
     states = dict(zip(names, (x for x in m.state[i].values())))
 

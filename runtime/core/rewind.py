@@ -14,13 +14,13 @@ from sparkq.formats.mixers import recurrent_widths
 
 class Rewind:
     def _hold(self, M: int, pos: np.ndarray, off: np.ndarray, rewind: bool) -> None:
-        """(step_many) for a rewind: each run's slot states copied, the GDN layers' inputs kept"""
+        """(step_many) for a rewind: each run's slot states copied, the recurrent layers' inputs kept"""
         self._pending = {}
-        runs = [(a, b - a) for a, b in zip(*_runs(pos, off)) if b - a > 1] if rewind and self.gdn_layers else []
+        runs = [(a, b - a) for a, b in zip(*_runs(pos, off)) if b - a > 1] if rewind and self.rec_layers else []
         if not runs:
             self.lib.sq_batch_keep(self.batch, None, None)
             return
-        (wq, wz), n = recurrent_widths(self.spec), len(self.gdn_layers)
+        (wq, wz, _), n = recurrent_widths(self.spec), len(self.rec_layers)
         kq = np.empty((n, M, wq), np.float32)
         kz = np.empty((n, M, max(wz, 1)), np.float32)
         for a, T in runs:
@@ -51,9 +51,8 @@ class Rewind:
         if n == T:
             return
         slot = kvoff // self._slot_elems()
-        L0 = self.layers[self.gdn_layers[0]]
-        out = np.empty((n, L0.ssm_out.k or L0.o.k), np.float32)  # (the mixer's output: a parallel layer's branch's)
-        for j, (li, st, copy) in enumerate(zip(self.gdn_layers, self._states, saved)):
+        out = np.empty((n, recurrent_widths(self.spec)[2]), np.float32)
+        for j, (li, st, copy) in enumerate(zip(self.rec_layers, self._states, saved)):
             for x, c in zip(st, copy):
                 x[slot] = c
             q, z = np.ascontiguousarray(kq[j, a:a + n]), np.ascontiguousarray(kz[j, a:a + n])

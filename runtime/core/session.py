@@ -205,8 +205,8 @@ class Session(Rewind):
         self.batch, self.batch_rows = None, 0  # step_many's workspace (reserve_batch)
         # the GDN layers and their states as numpy [slots, ...] (a rewind's copies), the last
         # step_many's saved runs (rewind)
-        self.gdn_layers = [i for i in range(spec.layers) if mixers[i] != C.MIXER_ATTENTION]  # (any recurrent mixer's)
-        self._states = [tuple(_np(b) for b in states[i]) for i in self.gdn_layers]
+        self.rec_layers = [i for i in range(spec.layers) if mixers[i] != C.MIXER_ATTENTION]  # (every recurrent mixer's)
+        self._states = [tuple(_np(b) for b in states[i]) for i in self.rec_layers]
         self._pending: dict = {}
         self._copies: dict = {}  # slot -> its states' copies before a run (rewind)
         self.tiles = (0, 0)  # step_many's tile products: (from how many sequences, hardware): set_batch_tiles

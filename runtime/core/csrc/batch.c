@@ -148,7 +148,7 @@ static int step_rows(const sq_model *m, void *work, void *batch, int64_t M, cons
     }
     if (b->ti) b->ti->m = M; /* whether this step's products take the tiles (a16_on) */
     for (int64_t t = 0; t < M; t++)
-        if (pos[t] == 0) gdn_reset_slot(m, kvoff[t]); /* a new sequence: empty GDN states */
+        if (pos[t] == 0) mix_reset_slot(m, kvoff[t]); /* a new sequence: empty recurrent states */
     {
 #pragma omp parallel
         {

@@ -281,7 +281,7 @@ static void gdn_mix_team(const sq_model *m, const sq_layer *L, float *qkv, int64
 /* The recurrent layers' states of the slot at kvoff emptied: a sequence at position 0 (sq_step,
  * sq_prefill, a row of sq_step_many) starts from zero states, as attention reads nothing of its
  * cache past the position, so a slot is reused without clearing it first */
-static void gdn_reset_slot(const sq_model *m, int64_t kvoff) {
+static void mix_reset_slot(const sq_model *m, int64_t kvoff) {
     for (int64_t li = 0; li < m->layers; li++) {
         if (m->layer[li].mixer == MIXER_ATTN) continue;
         const sq_layer s = layer_slot(m, &m->layer[li], kvoff);

@@ -61,7 +61,7 @@ static int prefill_rows(const sq_model *m, const int64_t *tokens, const float *h
 #else
     int rc = (x && xn && big && att && scr && kf && vf && gv && (!P || ple)) ? 0 : -1;
 #endif
-    if (!rc && pos0 == 0) gdn_reset_slot(m, 0); /* a new sequence: empty GDN states (m: the slot's view) */
+    if (!rc && pos0 == 0) mix_reset_slot(m, 0); /* a new sequence: empty recurrent states (m: the slot's view) */
     for (int64_t c0 = 0; c0 < T && !rc; c0 += chunk) {
         const int64_t n = c0 + chunk < T ? chunk : T - c0, p0 = pos0 + c0;
 #pragma omp parallel for schedule(static)

@@ -7,7 +7,7 @@ int sq_step(const sq_model *m, void *work, int64_t token, int64_t pos, float *x,
     if (pos < 0 || pos >= m->cap) return -1;
     const int64_t E = m->hidden, P = m->ple_dim;
     const int off = (int)m->norm_offset;
-    if (pos == 0) gdn_reset_slot(m, 0); /* a new sequence: empty recurrent states */
+    if (pos == 0) mix_reset_slot(m, 0); /* a new sequence: empty recurrent states */
     /* one parallel region per token: `single` blocks for the serial parts, worksharing loops
      * for the products and attention (each ends in a barrier), no fork/join per product */
 #pragma omp parallel
