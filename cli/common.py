@@ -119,6 +119,11 @@ OPT_DRAFT = typer.Option(None, "--draft", help="speculative decoding, the same o
                          "and answer so far), mtp (the model's multi-token-prediction block, Qwen3.5) or a draft "
                          "artifact with the same tokenizer (a smaller model)")
 OPT_DRAFT_TOKENS = typer.Option(8, "--draft-tokens", help="the most drafted tokens checked per pass (adapts below it)")
+OPT_PROMPT_CACHE = typer.Option(None, "--prompt-cache", help="a directory for a prompt cache on disk: the KV cache "
+                                 "of prompts of 256+ tokens is kept there, and a later run (after a restart too) "
+                                 "reads a shared prefix back instead of prefilling it (the same answer bits)")
+OPT_PROMPT_CACHE_MIB = typer.Option(4096, "--prompt-cache-mib", help="the prompt cache directory's bound (least "
+                                    "recently used files go first)")
 OPT_THINK = typer.Option(None, "--think/--no-think", help="with a chat template: its thinking switch "
                          "(enable_thinking; SmolLM3, Qwen3); default: the template's")
 
@@ -129,6 +134,15 @@ def sampling_params(temperature, top_p, top_k, min_p, repetition_penalty, presen
 
     return _run(SamplingParams(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
                                repetition_penalty, seed=seed).check)
+
+
+def prompt_cache_opts(directory: str | None, mib: float) -> dict | None:
+    """--prompt-cache / --prompt-cache-mib as PromptCache's options (runtime/promptcache.py)"""
+    if directory is None:
+        return None
+    if mib <= 0:
+        _fail(f"--prompt-cache-mib must be > 0, got {mib}")
+    return {"directory": directory, "max_bytes": int(mib * (1 << 20))}
 
 
 def set_thinking(m, think: bool | None) -> None:

@@ -9,8 +9,8 @@ import typer
 
 from . import render as R
 from .common import (OPT_DRAFT, OPT_DRAFT_TOKENS, OPT_FREQUENCY, OPT_KV_BUDGET, OPT_KV_DTYPE, OPT_MAX_MODEL_LEN, OPT_MIN_P, OPT_PRESENCE, OPT_REP,
-                     OPT_SEED, OPT_TEMPERATURE, OPT_THINK, OPT_THREADS, OPT_TOP_K, OPT_TOP_P, app, sampling_params,
-                     set_thinking)
+                     OPT_PROMPT_CACHE, OPT_PROMPT_CACHE_MIB, OPT_SEED, OPT_TEMPERATURE, OPT_THINK, OPT_THREADS, OPT_TOP_K,
+                     OPT_TOP_P, app, prompt_cache_opts, sampling_params, set_thinking)
 from .common import (_fail, _kv, _need_convert_extra, _plot, _prefill_mode, _rss_mib, _run, _runtime, _save,  # noqa: F401
                      _threads, _threads_low, artifact_layout, check_draft, open_model)
 
@@ -95,6 +95,8 @@ def chat(
     think: Optional[bool] = OPT_THINK,
     draft: Optional[str] = OPT_DRAFT,
     draft_tokens: int = OPT_DRAFT_TOKENS,
+    prompt_cache: Optional[str] = OPT_PROMPT_CACHE,
+    prompt_cache_mib: float = OPT_PROMPT_CACHE_MIB,
     lite: bool = typer.Option(False, "--lite", help="the torch-free runtime (the default for rows32 artifacts)"),
     use_torch: bool = typer.Option(False, "--torch", help="the torch runtime"),
 ):
@@ -113,7 +115,8 @@ def chat(
     if spec:
         spec["draft"] = _run(m.drafter, draft, threads)
     session = _run(ChatSession, m, system, sampling=sampling_params(
-        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed), **spec)
+        temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed),
+        disk=prompt_cache_opts(prompt_cache, prompt_cache_mib), **spec)
     import signal
     # Ctrl-C stops an answer even where SIGINT came in ignored (a shell's background job): Python
     # then installs no KeyboardInterrupt handler of its own
@@ -125,7 +128,7 @@ def chat(
             line = input("> ")
         except EOFError:
             typer.echo("", err=True)
-            return
+            return session.close()
         except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
             typer.echo("", err=True)
             continue
@@ -133,7 +136,7 @@ def chat(
         if not text:
             continue
         if text in ("/exit", "/quit"):
-            return
+            return session.close()
         if text == "/reset":
             session.reset()
             typer.echo("[conversation reset]", err=True)
@@ -152,6 +155,7 @@ def chat(
         st = session.last
         typer.echo(("\n[stopped] " if st["interrupted"] else "\n") +
                    f"[{st['new_tokens']} tokens; prefilled {st['prefilled']} of {st['prompt_tokens']}"
+                   + (f"; {st['from_disk']} read from the prompt cache" if st.get("from_disk") else "")
                    + (f"; drafted {m.last_stats.drafted}, accepted {m.last_stats.accepted}" if spec else "") + "]", err=True)
 
 
@@ -183,6 +187,8 @@ def serve(
                                      "(docs/serving.md \"Tiles\")"),
     draft: Optional[str] = OPT_DRAFT,
     draft_tokens: int = OPT_DRAFT_TOKENS,
+    prompt_cache: Optional[str] = OPT_PROMPT_CACHE,
+    prompt_cache_mib: float = OPT_PROMPT_CACHE_MIB,
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a chat page at /) that
     decodes concurrent requests together, one pass over the weights per step."""
@@ -200,11 +206,12 @@ def serve(
     from sparkq.runtime.serve.server import serve as run_server
 
     spec = check_draft(draft, draft_tokens)
-
+    if prompt_cache and not prefix_cache:
+        _fail("--prompt-cache reuses prompt prefixes, which --no-prefix-cache turns off: drop one of them")
     _run(run_server, model, host=host, port=port, parallel=parallel, api_key=api_key, kv_budget_mib=kv_budget_mib,
          max_model_len=max_model_len, threads=threads, model_name=model_name, max_queue=max_queue,
          prefix_cache=prefix_cache, echo=lambda s: typer.echo(s, err=True), cors_origins=tuple(cors_origin),
-         batch_tiles=batch_tiles, **spec, **_kv(kv_dtype))
+         batch_tiles=batch_tiles, prompt_cache=prompt_cache_opts(prompt_cache, prompt_cache_mib), **spec, **_kv(kv_dtype))
 
 
 @app.command()

@@ -23,7 +23,9 @@ positions are copied from it (prefix.py): n choices, a shared system prompt are 
 Only prompt-path positions are reused (the decode steps' products sum in another order), and the
 prompt path gives the same bits whole or continued from any position (tested), so a reused prefix
 changes no bit of the answer; where the prompt GEMM depends on the slice length (AVX512-BF16) the
-reuse is cut to whole slices. With a drafter (speculate.py) a sequence's step has its drafted
+reuse is cut to whole slices. With a prompt cache on disk (promptcache.py) a prompt's positions
+also go to a file when it is prefilled, and a newcomer starts from the longest prefix a file holds
+where that is longer than any slot's (files written by an earlier process). With a drafter (speculate.py) a sequence's step has its drafted
 tokens as extra rows: the same tokens, fewer passes.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 from ..errors import RuntimeUserError
 from ..sampling import Sampler, SamplingParams, logprobs, top_tokens
 from ..speculate import drafts_for
-from .prefix import Snapshots, copy_positions, shared_prefix
+from .prefix import PrefixReuse, Snapshots
 from .request import Request, new_text, run_one
 
 # prompt tokens per prefill slice between decode steps: at the Qwen2.5-1.5B shape on 2 cores a
@@ -50,11 +52,11 @@ class QueueFull(Exception):
     pass
 
 
-class Engine:
+class Engine(PrefixReuse):
     """Continuous batching over a LiteModel loaded with ``slots = parallel``."""
 
     def __init__(self, model, *, max_queue: int = 64, prefill_slice: int = PREFILL_SLICE, prefix_cache: bool = True,
-                 batch_tiles: int = 0, draft=None, draft_tokens: int = 8):
+                 batch_tiles: int = 0, draft=None, draft_tokens: int = 8, disk=None):
         self.model, self.session, self.tok = model, model.session, model.tokenizer
         # speculative decoding (speculate.py): a drafter (its sequences keyed by slot), tokens per pass
         self.draft, self.draft_tokens = draft, int(draft_tokens)
@@ -73,7 +75,10 @@ class Engine:
         self.last_used, self.tick = [0] * self.parallel, 0
         self.reuse_grid = self.prefill_slice if self.session.lib.sq_prefill_bf16() else 1
         # a hybrid model's recurrent states at slice boundaries: a prefix is reused up to one of them
-        self.snaps = Snapshots(model) if any(model.state) else None
+        # the prompt cache on disk: PromptCache's options (directory, max_bytes, ...) or None
+        from ..promptcache import PromptCache
+        self.disk = PromptCache(model=model, tag=f"slice{self.reuse_grid}", **disk) if disk and prefix_cache else None
+        self.snaps = Snapshots(model, milestone=self.disk.milestone if self.disk else 0) if any(model.state) else None
         from ..core import build_name
         self.build = build_name(self.session.lib)  # the C-core build (/health; bench-serve reports it)
         self.waiting: deque[Request] = deque()
@@ -147,6 +152,8 @@ class Engine:
             self.closed = True
             self.cv.notify()
         self.thread.join(timeout=30)
+        if self.disk is not None:
+            self.disk.close()  # the queued writes finish
 
     def load(self) -> dict:
         with self.cv:
@@ -154,7 +161,7 @@ class Engine:
                     "slot_tokens": self.slot_cap, "build": self.build, "batch_tiles": self.session.tiles[0],
                     **({"state_bytes": self.model.state_nbytes, "snapshot_bytes": self.snaps.bytes}  # hybrids
                        if self.snaps is not None else {}),
-                    **self.stats}
+                    **({"prompt_cache": dict(self.disk.stats)} if self.disk is not None else {}), **self.stats}
 
     # -- the engine thread --
 
@@ -192,32 +199,12 @@ class Engine:
             self.kept[best] = (r.ids, r.cached)  # the positions past it are about to be rewritten
             if self.snaps is not None:  # the state where the prompt continues
                 self.snaps.resume(best, r.cached)
+            if self.disk is not None and r.echo_logprobs is None:
+                self._from_disk(r, best)
             self.tick += 1
             self.last_used[best] = self.tick
             self.stats["cached"] += r.cached
             self.running.append(r)
-
-    def _reusable(self, slot: int, ids: list[int]) -> int:
-        """prompt tokens of ids whose K/V slot already holds (and, in a hybrid model, a state copy at)"""
-        n = shared_prefix(*self.kept[slot], ids, self.reuse_grid) if self.prefix_cache else 0
-        return self.snaps.best(slot, n) if self.snaps is not None else n
-
-    def _share(self, r: Request) -> None:
-        """(engine thread, r at the start of its prompt) the longest prefix of r's prompt that another
-        slot's prompt path holds, copied into r's slot: n choices of one prompt, a shared system
-        prompt or few-shot context prefill it once (the same bits: prompt-path positions only)"""
-        best, src = r.filled, -1
-        for k in range(self.parallel):
-            if k != r.slot and (m := self._reusable(k, r.ids)) > best:
-                best, src = m, k
-        if src >= 0:
-            copy_positions(self.model, src, r.slot, r.filled, best)
-            if self.snaps is not None:
-                self.snaps.restore(r.slot, best, src)
-            with self.cv:
-                self.stats["cached"] += best - r.filled
-                r.cached = r.filled = best
-                self.kept[r.slot] = (r.ids, best)
 
     def _text(self, r: Request, last: bool = False) -> str | None:
         """The new text of r to emit (None: r hit a stop string, finished here)."""
@@ -322,8 +309,8 @@ class Engine:
             if pre is not None:  # one slice of the oldest unfinished prompt
                 if self.prefix_cache and pre.filled == pre.cached and pre.echo_logprobs is None:
                     self._share(pre)
-                a = pre.filled
-                b = min(len(pre.ids), a + self.prefill_slice)
+                a = pre.filled  # slices end at multiples of the slice (prefix copies and snapshots line up)
+                b = min(len(pre.ids), (a // self.prefill_slice + 1) * self.prefill_slice)
                 echo = pre.echo_logprobs is not None
                 xn = s.prefill(pre.ids[a:b], a, last_only=not echo, kvoff=pre.slot * self.model.slot_elems,
                                chunk=self.prefill_slice)
@@ -333,6 +320,8 @@ class Engine:
                 plps = self._prompt_logprobs(pre, a, b, xn) if echo and not pre.cancelled else []
                 if self.snaps is not None and self.prefix_cache and pre.slot >= 0:
                     self.snaps.take(pre.slot, b)
+                if self.disk is not None and b == len(pre.ids) and not echo and pre.slot >= 0:
+                    self.disk.save(pre.ids, b, pre.slot, self.snaps.at[pre.slot] if self.snaps is not None else None)
                 if self.draft is not None and b == len(pre.ids) and pre.slot >= 0:
                     self.draft.warm(pre.slot, pre.ids)  # the drafter's prompt (a draft model prefills it) now
                 with self.cv:

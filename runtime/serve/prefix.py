@@ -39,10 +39,13 @@ class Snapshots:
     sequence seen so far and cannot. So the engine copies a slot's state after each prompt slice
     (``take``), reuses a prefix only up to a position it holds a copy for (``best``) and starts
     there from that copy (``restore``, also into another slot: a prompt copy). The latest
-    ``SNAPSHOTS`` per slot are kept: ``bytes`` is their memory."""
+    ``SNAPSHOTS`` per slot are kept: ``bytes`` is their memory. With a prompt cache on disk
+    (promptcache.py) the copies at multiples of ``milestone`` positions are kept as well, so that a
+    long prompt's file holds states a later prompt can restart from (an agent's system prompt
+    followed by another question)."""
 
-    def __init__(self, model, keep: int = SNAPSHOTS):
-        self.model, self.keep = model, keep
+    def __init__(self, model, keep: int = SNAPSHOTS, milestone: int = 0):
+        self.model, self.keep, self.milestone = model, keep, milestone
         self.arrays = model.state_buffers()  # each [slots, ...]
         self.at: list[dict[int, list[np.ndarray]]] = [{} for _ in range(model.slots)]
 
@@ -53,8 +56,9 @@ class Snapshots:
     def take(self, slot: int, pos: int) -> None:
         d = self.at[slot]
         d[pos] = [a[slot].copy() for a in self.arrays]
-        while len(d) > self.keep:
-            del d[min(d)]
+        latest = [p for p in d if not (self.milestone and p % self.milestone == 0)]
+        for p in sorted(latest)[:-self.keep]:
+            del d[p]
 
     def best(self, slot: int, n: int) -> int:
         """The largest position <= n this slot's state can restart from (0: the empty state)."""
@@ -76,3 +80,39 @@ class Snapshots:
         for p in [p for p in self.at[slot] if p > n]:
             del self.at[slot][p]
         self.restore(slot, n)
+
+
+class PrefixReuse:
+    """The engine's prefix cache (engine.py): a slot's kept prompt, another slot's, a file's."""
+
+    def _from_disk(self, r, slot: int) -> None:
+        """(under the lock) a longer prefix of r's prompt than its slot holds, read from a file"""
+        n, e = self.disk.lookup(r.ids, self.reuse_grid)
+        if n > r.cached and self.disk.restore(e, n, slot):
+            if self.snaps is not None:
+                self.snaps.take(slot, n)  # the state restore() put in the slot
+            self.stats["cached"] += n - r.cached
+            r.cached = r.filled = n
+            self.kept[slot] = (r.ids, n)
+
+    def _reusable(self, slot: int, ids: list[int]) -> int:
+        """prompt tokens of ids whose K/V slot already holds (and, in a hybrid model, a state copy at)"""
+        n = shared_prefix(*self.kept[slot], ids, self.reuse_grid) if self.prefix_cache else 0
+        return self.snaps.best(slot, n) if self.snaps is not None else n
+
+    def _share(self, r) -> None:
+        """(engine thread, r at the start of its prompt) the longest prefix of r's prompt that another
+        slot's prompt path holds, copied into r's slot: n choices of one prompt, a shared system
+        prompt or few-shot context prefill it once (the same bits: prompt-path positions only)"""
+        best, src = r.filled, -1
+        for k in range(self.parallel):
+            if k != r.slot and (m := self._reusable(k, r.ids)) > best:
+                best, src = m, k
+        if src >= 0:
+            copy_positions(self.model, src, r.slot, r.filled, best)
+            if self.snaps is not None:
+                self.snaps.restore(r.slot, best, src)
+            with self.cv:
+                self.stats["cached"] += best - r.filled
+                r.cached = r.filled = best
+                self.kept[r.slot] = (r.ids, best)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import signal
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -31,7 +33,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
-
 from ..common import DEFAULT_KV_DTYPE, check_kv_dtype
 from ..errors import RuntimeUserError
 from ..sampling import SamplingParams
@@ -70,12 +71,10 @@ class App(Responses, Tokenize, ResponsesAPI, MessagesAPI, EmbedAPI):
                              repetition_penalty=float(gen.get("repetition_penalty") or 1.0))
         routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"]), Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/responses", self.responses, methods=["POST"]),
                   Route("/v1/messages", self.messages, methods=["POST"]), Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
-                  Route("/tokenize", self.tokenize, methods=["POST"]),
-                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]), Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]), *self.embed_routes(),
                   Route("/metrics", self.metrics_page, methods=["GET"]), Route("/", self.page, methods=["GET"])]
         middleware = []
@@ -364,9 +363,8 @@ def listen_socket(host: str, port: int):
 def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str | None, kv_budget_mib: float,
           max_model_len: int | None, threads: int | None, model_name: str | None, max_queue: int, echo=print,
           kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: bool = True, cors_origins=(), batch_tiles: bool = False,
-          draft: str | None = None, draft_tokens: int = 8) -> None:
+          draft: str | None = None, draft_tokens: int = 8, prompt_cache: dict | None = None) -> None:
     import uvicorn
-
     from ..lite import load
 
     sock = listen_socket(host, port)  # bind first: a taken port is a one-line error before the model loads
@@ -376,21 +374,23 @@ def serve(model_path: str, *, host: str, port: int, parallel: int, api_key: str 
     if m.tokenizer is None:
         raise RuntimeUserError(f"{model_path}: no tokenizer.json; the server needs the model's tokenizer")
     from ..core.session import BATCH_TILES_MIN_M
-
     drafter = None
     if draft is not None:  # speculative decoding: n-gram lookup, or a draft model with a slot per sequence
         from ..speculate import drafter as make_drafter
         drafter = make_drafter(draft, m, slots=parallel, threads=threads, kv_dtype=kv_dtype)
     engine = Engine(m, max_queue=max_queue, prefix_cache=prefix_cache, batch_tiles=BATCH_TILES_MIN_M if batch_tiles else 0,
-                    draft=drafter, draft_tokens=draft_tokens)
+                    draft=drafter, draft_tokens=draft_tokens, disk=prompt_cache)
     name = model_name or (m.info.extra.get("hub") or {}).get("repo") or str(model_path).rstrip("/").split("/")[-1]
     app = App(engine, name, api_key, cors_origins)
     echo(f"sparkq serve: {name} on http://{host}:{port}/v1 ({parallel} slots x {engine.slot_cap} tokens, {kv_dtype} KV, "
          f"{m.session.threads} threads{', prefix cache off' if not prefix_cache else ''}"
+         f"{f', prompt cache in {engine.disk.dir} ({len(engine.disk.entries)} files)' if engine.disk else ''}"
          f"{f', steps of {BATCH_TILES_MIN_M}+ sequences on AMX tiles' if batch_tiles else ''}"
          f"{f', draft {draft} (up to {draft_tokens} tokens a pass)' if draft else ''}"
          f"{', API key required' if api_key else ''})")
-    try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: as KeyboardInterrupt (engine.close() runs)
+    signal.signal(signal.SIGTERM, signal.default_int_handler) if threading.current_thread() is threading.main_thread() else None
+    try:
         uvicorn.Server(uvicorn.Config(app.asgi, host=host, port=port, log_level="warning", access_log=False)).run(
             sockets=[sock])
     except KeyboardInterrupt:
