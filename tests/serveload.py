@@ -47,7 +47,15 @@ def _templates(model):
                                     "n": 2, "stream": False}))
     out.append(("/v1/completions", {"model": model, "prompt": TEXTS[2:], "max_tokens": 1, "temperature": 0, "seed": 1234,
                                     "logprobs": 1, "echo": True, "stream": False}))
+    # the Messages API (a system prompt, a sampled reply), embeddings and rerank beside the generation
+    out.append(("/v1/messages", {"model": model, "system": "Be brief.", "max_tokens": 16, "temperature": 0.7,
+                                 "messages": [{"role": "user", "content": QUESTIONS[3]}]}))
+    out.append(("/v1/embeddings", {"model": model, "input": TEXTS[:2]}))
+    out.append(("/v1/rerank", {"model": model, "query": QUESTIONS[0], "documents": TEXTS}))
     return out
+
+
+STREAMABLE = ("/v1/chat/completions", "/v1/completions")  # the routes a client leaves mid-stream
 
 
 def _malformed(model, rng):
@@ -60,6 +68,11 @@ def _malformed(model, rng):
 
 
 def _text(r):
+    j = r.get("json") or {}
+    if j.get("type") == "message":  # the Messages API: its content blocks
+        return json.dumps(j["content"])
+    if j.get("object") == "list" or "results" in j:  # embeddings (the vectors' bits), rerank (scores, order)
+        return json.dumps(j.get("data") or j.get("results"))
     if "json" in r and "output" in r["json"]:  # a Responses API reply: its items' texts and calls
         return json.dumps([[o.get("type"), [c.get("text") for c in o.get("content", [])], o.get("arguments")]
                            for o in r["json"]["output"]])
@@ -78,7 +91,7 @@ def load_test(url, model, requests=200, clients=16, rss=None, seed=0):
     tmpl = _templates(model)
     expected = []
     for path, body in tmpl:  # each request alone first: the answer it must get under load too
-        r = post(url, path, body, stream=body["stream"])
+        r = post(url, path, body, stream=body.get("stream", False))
         assert r["status"] == 200, r
         expected.append(_text(r))
     time.sleep(0.5)
@@ -90,7 +103,7 @@ def load_test(url, model, requests=200, clients=16, rss=None, seed=0):
             k = rng.randrange(len(tmpl))
             jobs.append(("ok", k))
         elif x < 0.75:
-            jobs.append(("leave", rng.randrange(len(tmpl))))
+            jobs.append(("leave", rng.choice([k for k, (path, _) in enumerate(tmpl) if path in STREAMABLE])))
         elif x < 0.9:
             jobs.append(("bad", _malformed(model, rng)))
         else:
@@ -114,7 +127,7 @@ def load_test(url, model, requests=200, clients=16, rss=None, seed=0):
             try:
                 if kind == "ok":
                     path, body = tmpl[arg]
-                    r = post(url, path, body, stream=body["stream"])
+                    r = post(url, path, body, stream=body.get("stream", False))
                     with lock:
                         if r["status"] != 200:
                             res["failed"].append((kind, r["status"], r.get("json")))

@@ -51,9 +51,10 @@ def _ids(n, seed):
 def _run(art, disk, prompts, n=8, **kw):
     e = _engine(art, disk, **kw)
     try:
-        return [e.generate(list(p), n, ignore_eos=True) for p in prompts], e.load()
+        out = [e.generate(list(p), n, ignore_eos=True) for p in prompts]
     finally:
-        e.close()
+        e.close()  # (the queued writes finish)
+    return out, e.load()
 
 
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
@@ -238,7 +239,7 @@ def test_cli_server_restart_with_the_openai_client_and_chat(arts, tmp_path):
             for q in ("What is item 3?", "And item 7?")]
     assert all(r.returncode == 0 for r in runs), runs
     assert "read from the prompt cache" not in runs[0].stderr and "read from the prompt cache" in runs[1].stderr
-    assert len(list((tmp_path / "chat").glob("*.sqkv"))) == 2
+    assert len(list((tmp_path / "chat").glob("*.sqkv"))) == 1  # the second: all but a few tokens were in it
 
 
 def test_prompt_cache_flags_are_checked(arts, tmp_path):
