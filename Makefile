@@ -7,7 +7,7 @@ WORK := work
 # held-out text for `make quality` (the default conversion calibrates on the bundled text)
 CORPUS ?= ../shared/corpus/wikitext2-valid.txt
 
-.PHONY: setup demo test test-all clean benchmarks fuzz quality quality-real
+.PHONY: setup demo test test-all clean benchmarks fuzz quality quality-real wheel
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,9 @@ test-all: setup  ## the whole suite, slow cases included
 
 clean:
 	rm -rf $(WORK) $(VENV) build *.egg-info
+
+wheel: setup  ## dist/*.whl: manylinux x86_64 and aarch64 wheels with every C-core build compiled (tools/wheels.py)
+	$(BIN)/python tools/wheels.py --out dist
 
 benchmarks: setup  ## regenerate BENCHMARKS.md / BENCHMARKS.json (by hand: ~10 min on 2 cores)
 	$(BIN)/python tools/benchmarks.py $(WORK)

@@ -1,6 +1,9 @@
-"""Compile the C core (``csrc/``) on this machine, once per build and CPU.
+"""Compile the C core (``csrc/``) on this machine, once per build and CPU, or take a wheel's prebuilt one.
 
-The sources ship with the package and are compiled on first use with the system C compiler
+A wheel built by ``make wheel`` (tools/wheels.py) ships every build of its architecture compiled
+(``prebuilt/sq-<build>.so`` and ``manifest.json``: flags, sources hash, ABI); ``library()`` uses
+one when its sources hash is the installed sources' and this CPU runs it, so such an install needs
+no compiler. Otherwise the sources, which ship with the package, are compiled on first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``), ``-O3 -fopenmp`` and the build's ISA flags, as one
 translation unit (``csrc/sq.c`` includes the others), into ``$SPARKQ_CACHE`` (default
 ``~/.cache/sparkq``)/kernels/sq-<build>-<hash>.so. The hash covers every source file, the
@@ -11,8 +14,10 @@ concurrent first runs are safe.
 Builds (``BUILDS``), one per instruction set the C core has paths for: ``amx`` (AVX512-VNNI
 products, prompts on AMX-BF16 tiles), ``avx512-bf16`` (AVX512-VNNI products and the AVX512-BF16
 prompt GEMM), ``avx512-vnni`` (the same without the bf16 GEMM: prompts through the W4A8 GEMM, as
-on CPUs with VNNI but no BF16), ``avx2`` and ``scalar`` (portable C), plus ``exact`` (portable,
-fp32 activations: no A8; tests measure the A8 error against it). ``native``, the default, is the
+on CPUs with VNNI but no BF16), ``avx2-vnni`` (AVX2 with the AVX-VNNI byte dots: Alder Lake and
+later, the same bits as avx2), ``avx2`` and ``scalar`` (portable C), plus ``exact`` (portable,
+fp32 activations: no A8; tests measure the A8 error against it) and ``avx2-vnni-evex`` (tests only:
+avx2-vnni's code with the EVEX instruction, for AVX512 CPUs). ``native``, the default, is the
 build this CPU runs fastest: where it runs several builds whose prompt GEMMs differ (amx,
 avx512-bf16, avx512-vnni) the choice is measured once per CPU, compiler and sources (native.py)
 and cached beside the builds; elsewhere it is the most capable build (``host_builds()[0]``; on a
@@ -23,7 +28,9 @@ builds the tests cover. ``SPARKQ_KERNEL=<build>`` picks another one this CPU can
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -32,6 +39,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 MAIN = CSRC / "sq.c"  # the unity file
+PREBUILT = Path(__file__).with_name("prebuilt")  # a wheel's libraries and manifest.json (tools/wheels.py)
 
 
 class KernelUnavailable(RuntimeError):
@@ -43,28 +51,43 @@ class KernelChoiceError(KernelUnavailable):
     choice to fix (lib.try_load raises it as a one-line error), never a reason to fall back."""
 
 
-# build -> (compiler flags, the /proc/cpuinfo flags a CPU needs to run it). The SIMD builds
-# start from -march=native and switch off what the build must not use: avx2 on an AVX512 CPU
-# runs exactly the code an AVX2-only CPU gets, avx512-vnni the code of a CPU without BF16.
-# -DSQ_NO_AMX keeps the AMX kernels out where -march=native would allow them (a macro, not
-# -mno-amx-*: compilers before AMX reject those flags).
-_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# build -> (compiler flags, the /proc/cpuinfo flags a CPU needs to run it). Each SIMD build names
+# its instruction sets explicitly (never -march=native): what a machine compiles is what the wheel
+# ships (tools/wheels.py) and what the tests run, the default generic tuning included; a compiler
+# uses nothing a build's CPU flags do not promise. -DSQ_NO_AMX keeps the AMX kernels out.
+_AVX2 = ["-mavx2", "-mfma"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+_AVX2_CPU = ("avx2", "fma")
+_AVX512_CPU = (*_AVX2_CPU, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 BUILDS = {
-    "amx": (["-march=native"], (*_AVX512, "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")),
-    "avx512-bf16": (["-march=native", "-DSQ_NO_AMX"], (*_AVX512, "avx512_bf16")),
-    "avx512-vnni": (["-march=native", "-mno-avx512bf16", "-DSQ_NO_AMX"], _AVX512),
-    "avx2": (["-march=native", "-mno-avx512f", "-DSQ_NO_AMX"], ("avx2", "fma")),
+    "amx": ([*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
+            (*_AVX512_CPU, "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")),
+    "avx512-bf16": ([*_AVX512, "-mavx512bf16", "-DSQ_NO_AMX"], (*_AVX512_CPU, "avx512_bf16")),
+    "avx512-vnni": ([*_AVX512, "-DSQ_NO_AMX"], _AVX512_CPU),
+    "avx2-vnni": ([*_AVX2, "-mavxvnni"], (*_AVX2_CPU, "avx_vnni")),  # Alder Lake on: VEX vpdpbusd
+    # tests only (like exact): avx2-vnni's code with the EVEX vpdpbusd (AVX512-VNNI + VL on 8 lanes,
+    # the same arithmetic), so CPUs with AVX512 but no AVX-VNNI (Zen 4, Ice Lake) test it too
+    "avx2-vnni-evex": ([*_AVX2, "-mavx512vnni", "-mavx512vl", "-DSQ_VNNI_EVEX"],
+                       (*_AVX2_CPU, "avx512f", "avx512vl", "avx512_vnni")),
+    "avx2": (_AVX2, _AVX2_CPU),
+    # Arm (aarch64 compilers only; /proc/cpuinfo "Features"): sdot products and prompt GEMM, and with
+    # i8mm the prompt GEMM on smmla (csrc/gemv_neon.c, gemm_neon.c, gemm_i8mm_neon.c)
+    "neon-i8mm": (["-march=armv8.2-a+dotprod+i8mm"], ("asimddp", "i8mm")),
+    "neon": (["-march=armv8.2-a+dotprod"], ("asimddp",)),
     "scalar": (["-DSQ_SCALAR"], ()),
     "exact": (["-DSQ_SCALAR", "-DSQ_EXACT"], ()),
 }
 OFF = ("off", "0", "torch")  # SPARKQ_KERNEL values that turn the C core off
-ISA_BUILDS = ("amx", "avx512-bf16", "avx512-vnni", "avx2", "scalar")  # what users' CPUs run, most capable first
+ISA_BUILDS = ("amx", "avx512-bf16", "avx512-vnni", "avx2-vnni", "avx2", "neon-i8mm", "neon", "scalar")  # what users' CPUs run, most capable first
+ARM_BUILDS = ("neon-i8mm", "neon")  # the builds whose flags only an aarch64 compiler takes
 PROMPT_BUILDS = ("amx", "avx512-bf16", "avx512-vnni")  # same products, other prompt GEMMs: native is measured
-# what each build's products report (sq_simd(): 3 AVX512-VNNI, 2 AVX2, 0 portable), whether its
+# what each build's products report (sq_simd(): 4 AVX2 + AVX-VNNI, 3 AVX512-VNNI, 2 AVX2, 6 Arm dotprod + i8mm,
+# 5 Arm dotprod, 0 portable), whether its
 # prompts take a W4A16 GEMM (sq_prefill_bf16()) and whether that GEMM runs on AMX tiles
 # (sq_prefill_amx(), once the tile state is granted)
-EXPECT = {"amx": (3, 1, 1), "avx512-bf16": (3, 1, 0), "avx512-vnni": (3, 0, 0), "avx2": (2, 0, 0), "scalar": (0, 0, 0),
-          "exact": (0, 0, 0)}
+EXPECT = {"amx": (3, 1, 1), "avx512-bf16": (3, 1, 0), "avx512-vnni": (3, 0, 0), "avx2-vnni": (4, 0, 0),
+          "avx2-vnni-evex": (4, 0, 0), "avx2": (2, 0, 0),
+          "neon-i8mm": (6, 0, 0), "neon": (5, 0, 0), "scalar": (0, 0, 0), "exact": (0, 0, 0)}
 
 
 def sources() -> list[Path]:
@@ -78,11 +101,10 @@ def cache_dir() -> Path:
 def cpu_flags() -> str:
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):  # x86 "flags", aarch64 "Features" (asimddp, i8mm)
                 return line
     except OSError:
         pass
-    import platform
     return platform.processor() + platform.machine()
 
 
@@ -96,11 +118,14 @@ def compiler() -> str | None:
 def missing_features(variant: str) -> list[str]:
     """The CPU flags this machine lacks to run a build (empty: it can run it)."""
     have = set(cpu_flags().split())
-    return [f for f in BUILDS[variant][1] if f not in have]
+    lacks = [f for f in BUILDS[variant][1] if f not in have]
+    if variant in ARM_BUILDS and platform.machine().lower() not in ("aarch64", "arm64"):
+        lacks.append("aarch64")  # a 32-bit Arm system may list asimddp, but its compiler takes no armv8.2-a
+    return lacks
 
 
 def host_builds() -> list[str]:
-    """The ISA builds this CPU can run, most capable first (x86 only; elsewhere: scalar)."""
+    """The ISA builds this CPU can run, most capable first (x86, aarch64 Linux; elsewhere: scalar)."""
     return [b for b in ISA_BUILDS if not missing_features(b)]
 
 
@@ -130,22 +155,74 @@ def _flags(variant: str) -> list[str]:
             *(["-march=native"] if variant == "native" else BUILDS[variant][0])]
 
 
-def fingerprint(cc: str, flags: list[str]) -> str:
-    """A hash of every source file, the flags, the compiler's version and this CPU's flags."""
+def compiler_version(cc: str) -> str:
     try:
-        ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from None
-    h = hashlib.sha256()
+
+
+def _hash_sources(h) -> None:
     for p in sources():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+
+
+def sources_hash() -> str:
+    """A hash of every source file (a prebuilt library is used only for the sources it was built from)."""
+    h = hashlib.sha256()
+    _hash_sources(h)
+    return h.hexdigest()[:16]
+
+
+def fingerprint(cc: str, flags: list[str]) -> str:
+    """A hash of every source file, the flags, the compiler's version and this CPU's flags."""
+    ver = compiler_version(cc)
+    h = hashlib.sha256()
+    _hash_sources(h)
     h.update(" ".join(flags).encode() + ver.encode() + cpu_flags().encode())
     return h.hexdigest()[:16]
 
 
-def build(variant: str = "native") -> tuple[Path, float]:
-    """Compile (or find in the cache) a build's library; returns (path, seconds spent compiling)."""
-    cc = compiler()
+_MANIFEST: dict | None = None
+
+
+def manifest() -> dict:
+    """The wheel's prebuilt libraries (prebuilt/manifest.json, written by tools/wheels.py): {} where
+    none ship, they are for another architecture or other sources (an edited tree compiles), or
+    SPARKQ_PREBUILT=0 (compile on first use, as from a source checkout)."""
+    global _MANIFEST
+    if os.environ.get("SPARKQ_PREBUILT", "") == "0":
+        return {}
+    if _MANIFEST is None:
+        try:
+            m = json.loads((PREBUILT / "manifest.json").read_text())
+            ok = m.get("arch") == platform.machine() and m.get("sources") == sources_hash()
+        except (OSError, ValueError, AttributeError):
+            ok = False
+        _MANIFEST = m if ok else {}
+    return _MANIFEST
+
+
+def prebuilt(variant: str) -> Path | None:
+    """The wheel's library of a build, if it ships one for these sources and this architecture."""
+    b = manifest().get("builds", {}).get(variant)
+    p = PREBUILT / b["file"] if b else None
+    return p if p is not None and p.is_file() else None
+
+
+def library(variant: str) -> tuple[Path, float]:
+    """A build's library: the wheel's prebuilt one where it has it, else build() (compiled on first
+    use). ``native`` (a CPU without AVX2) without a compiler takes the prebuilt portable build."""
+    p = prebuilt(variant)
+    if p is None and variant == "native" and compiler() is None:
+        p = prebuilt("scalar")
+    return (p, 0.0) if p is not None else build(variant)
+
+
+def build(variant: str = "native", cc: str | None = None) -> tuple[Path, float]:
+    """Compile (or find in the cache) a build's library with ``cc`` (default: compiler()); returns
+    (path, seconds spent compiling)."""
+    cc = cc or compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
     flags = _flags(variant)

@@ -1,4 +1,4 @@
-"""Load a build of the C core: compile on first use (build.py), check its ABI (abi.py), cache it."""
+"""Load a build of the C core: a wheel's prebuilt one or compiled on first use (builds.py), check its ABI (abi.py), cache it."""
 from __future__ import annotations
 
 import ctypes
@@ -6,12 +6,13 @@ import os
 import sys
 
 from . import abi
-from .builds import OFF, KernelChoiceError, KernelUnavailable, build, host_builds, resolve_variant
+from .builds import OFF, KernelChoiceError, KernelUnavailable, compiler, host_builds, library, resolve_variant
 
 _LIBS: dict[str, ctypes.CDLL] = {}
 _KINDS: dict[int, dict[str, int]] = {}  # id(lib) -> {kind name: code}
 _WARNED = False
 BUILD_SECONDS: dict[str, float] = {}
+PATHS: dict[str, str] = {}  # build -> the file loaded (a wheel's prebuilt one or the cache's)
 # spins before a thread waiting at a barrier sleeps (libgomp's default: 300000, ~1 ms): one that
 # sleeps gives its core to the thread of ours that another program's process took a core from
 # (threads.py); decode's waits are shorter than this, so a quiet machine keeps spinning. Measured:
@@ -21,13 +22,26 @@ SPINCOUNT = "10000"  # build -> seconds this process spent compiling it (0.0: ca
 
 def load(variant: str | None = None, fallback: bool = True) -> ctypes.CDLL:
     """The library of a build (resolve_variant: the argument, $SPARKQ_KERNEL, or the best this
-    CPU runs), compiled on first use; raises KernelUnavailable. An amx build whose tile state
+    CPU runs), a wheel's prebuilt library or compiled on first use; raises KernelUnavailable
+    (native: a build that fails to compile gives the next one this CPU runs, with one line on
+    stderr). An amx build whose tile state
     the kernel refuses is replaced by the best other build this CPU runs, with one line on
     stderr (``fallback=False``: raised instead)."""
+    native = (variant or os.environ.get("SPARKQ_KERNEL", "") or "native").lower() == "native"
     variant = resolve_variant(variant)
     if variant in _LIBS:
         return _LIBS[variant]
-    path, BUILD_SECONDS[variant] = build(variant)
+    try:
+        path, BUILD_SECONDS[variant] = library(variant)
+    except KernelUnavailable as e:  # native only: e.g. a compiler too old for -mavxvnni takes the next build
+        hb = host_builds()
+        nxt = hb[hb.index(variant) + 1] if native and compiler() and variant in hb[:-1] else None
+        if nxt is None:
+            raise
+        print(f"sparkq: the {variant} build failed ({str(e).splitlines()[0][:200]}); using the {nxt} build", file=sys.stderr)
+        lib = _LIBS[variant] = load(nxt)
+        return lib
+    PATHS[variant] = str(path)
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = SPINCOUNT  # read once, when libgomp loads with the first build
     lib = ctypes.CDLL(str(path))
@@ -94,6 +108,7 @@ def kind_code(lib, kind: str) -> int:
 
 
 def build_name(lib) -> str:
-    """The build a loaded library is, else its products (sq_simd(): 3 AVX512-VNNI, 2 AVX2, 0 portable)."""
+    """The build a loaded library is, else its products (sq_simd(): 6 Arm dotprod + i8mm, 5 Arm dotprod, 4 AVX2 +
+    AVX-VNNI, 3 AVX512-VNNI, 2 AVX2, 0 portable)."""
     named = next((v for v, other in _LIBS.items() if other is lib), None)
-    return named or {3: "avx512-vnni", 2: "avx2"}.get(lib.sq_simd(), "scalar")
+    return named or {6: "neon-i8mm", 5: "neon", 4: "avx2-vnni", 3: "avx512-vnni", 2: "avx2"}.get(lib.sq_simd(), "scalar")

@@ -5,8 +5,9 @@ keep the fastest.
 The timing is one int4 and one lut4 linear (K = N = 2048, g128, random codes) over MEASURE_M
 tokens through ``sq_linear_batch``, best of MEASURE_REPS, in the threads a session would use. The
 result goes to ``native-<hash>.json`` beside the builds (the hash: the sources, compiler and CPU
-flags, as the builds' own), written to a temp name and renamed, so it is measured once per
-machine and sources. ``sparkq bench`` and ``generate --json`` name the build that ran.
+flags, as the builds' own; a wheel's prebuilt libraries need no compiler: their manifest's sources
+and compiler), written to a temp name and renamed, so it is measured once per machine and sources.
+``sparkq bench`` and ``generate --json`` name the build that ran.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from .builds import KernelUnavailable, cache_dir, compiler, fingerprint
+from .builds import KernelUnavailable, cache_dir, compiler, cpu_flags, fingerprint, manifest, prebuilt
 
 MEASURE_M, MEASURE_K, MEASURE_N, MEASURE_G, MEASURE_REPS = 128, 2048, 2048, 128, 3
 MEASURE_ROUNDS = 3  # interleaved rounds over the candidates
@@ -27,6 +28,15 @@ _CHOSEN: dict[tuple, str] = {}  # (cache dir, candidates) -> build: resolved onc
 
 
 def choice_path(candidates: list[str]):
+    """The record's file: keyed by the sources, the candidates, this CPU's flags and the compiler,
+    or where a wheel ships every candidate prebuilt, by its libraries' sources and compiler (no
+    compiler needed)."""
+    if all(prebuilt(b) for b in candidates):
+        import hashlib
+
+        m = manifest()
+        key = " ".join(["prebuilt", m["sources"], str(m.get("compiler")), *candidates, cpu_flags()])
+        return cache_dir() / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     cc = compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
@@ -80,7 +90,7 @@ def measured_native(candidates: list[str]) -> str:
     from .lib import load
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(candidates), os.cpu_count() or 1))) as pool:
-        for f in [pool.submit(builds.build, b) for b in candidates]:  # compile the candidates side by side
+        for f in [pool.submit(builds.library, b) for b in candidates]:  # compile the candidates side by side
             try:
                 f.result()
             except KernelUnavailable:

@@ -2,8 +2,9 @@
  * head): one query token (decode: attention, attend_item / attend_finish) and a chunk of prompt
  * tokens (attention_many), causal and optionally sliding-window. This file: the decode path (its
  * shared pieces, the portable reference attend_block_ref, the dispatch and the schedule); it
- * includes the block kernels per ISA, attention_avx512.c and attention_avx2.c, so that it alone
- * gives attention() (tools/attnbench.c includes it). The prompt path is attention_prompt.c. */
+ * includes the block kernels per ISA, attention_avx512.c, attention_avx2.c and attention_neon.c, so
+ * that it alone gives attention() (tools/attnbench.c includes it). The prompt path is
+ * attention_prompt.c. */
 
 /* -- one query token (the decode step) --
  * Flash-decoding: the keys a token sees, [start, end), are cut into blocks of KVB positions from
@@ -120,6 +121,7 @@ _Static_assert(KVB * 32767LL * 127 < 2147483647LL, "the int8 cache's V sums of a
  * attention_avx512.c first: v_i8_avx2 calls v_i8_avx512 */
 #include "attention_avx512.c"
 #include "attention_avx2.c"
+#include "attention_neon.c" /* Arm: both caches' blocks */
 
 /* the dispatch: this build's widest block kernel for D, G (<= 8) and the cache type */
 static void attend_block(const sq_model *m, kv_rows kv, const float *qs, int G, int64_t t0, int64_t t1, float *sc,
@@ -142,6 +144,9 @@ static void attend_block(const sq_model *m, kv_rows kv, const float *qs, int G, 
 #endif
 #ifdef SQ_AVX2
     if (D % 8 == 0 && (!i8 || D <= 512)) switch (G) { SQ_BLOCK_CASES(avx2) }
+#endif
+#ifdef SQ_NEON
+    if (i8 ? D % 8 == 0 && D <= 512 : D % 4 == 0) switch (G) { SQ_BLOCK_CASES(neon) }
 #endif
 #undef SQ_BLOCK_CASES
 #undef SQ_BLOCK_CASE

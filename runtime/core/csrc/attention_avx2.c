@@ -39,11 +39,13 @@ static inline int32_t hsum_i32x8(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
 }
 
-/* acc + the pairwise int16 products of a and b: one vpdpwssd where AVX512-VNNI is (VL: on 8 lanes;
- * it wraps as vpaddd does, so the same bits), vpmaddwd + vpaddd on AVX2 */
+/* acc + the pairwise int16 products of a and b: one vpdpwssd where AVX512-VNNI (VL: on 8 lanes) or
+ * AVX-VNNI is (it wraps as vpaddd does, so the same bits), vpmaddwd + vpaddd on AVX2 */
 static inline __attribute__((always_inline)) __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
-#ifdef SQ_AVX512
+#if defined(SQ_AVX512) || (defined(SQ_AVXVNNI) && defined(SQ_VNNI_EVEX))
     return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(SQ_AVXVNNI)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif

@@ -156,6 +156,12 @@ static int linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64
         fused = 1;
     }
 #endif
+#ifdef SQ_NEON
+    if (is_q4(L)) { /* Arm: sdot tiles, or smmla on the neon-i8mm build (gemm_neon.c) */
+        if (gemm_4bit_a8_neon(L, a, M, Y, ybf)) oom = 1;
+        fused = 1;
+    }
+#endif
     float *own = NULL; /* the fp32 result buffer of the other paths when only ybf was given */
     if (!fused && !Y && !(Y = own = malloc(sizeof(float) * M * N))) oom = 1;
     if (!fused && Y) {
@@ -173,7 +179,7 @@ static int linear_batch(const sq_linear *L, const void *X, int64_t x_bf16, int64
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < M; t++) {
 #ifndef SQ_AVX2
-                if (L->kind == KIND_INT8) gemv_q8_a8_c(L, &a[t], Y + t * N, 0, N);
+                if (L->kind == KIND_INT8) GEMV_Q8(L, &a[t], Y + t * N, 0, N); /* the build's decode product */
                 else
 #endif
                 (L->kind == KIND_LUT4 ? gemv_l4_a8_c : gemv_q4_a8_c)(L, &a[t], Y + t * N, 0, N);

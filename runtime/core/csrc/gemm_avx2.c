@@ -96,7 +96,6 @@ static inline __attribute__((always_inline)) void gemm_q4_a8pair_avx2(const sq_l
 static inline __attribute__((always_inline)) void gemm_q8_a8_avx2(const sq_linear *L, const sq_act *a, float *Y,
                                                                   int64_t n, int64_t t0, const int T) {
     const int64_t K = L->k, N = L->n;
-    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *w = (const int8_t *)L->q + n * K;
     __m256 acc[TB];
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
@@ -106,8 +105,8 @@ static inline __attribute__((always_inline)) void gemm_q8_a8_avx2(const sq_linea
         for (int t = 0; t < T; t++) {
             const sq_act *x = a + t0 + t;
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_broadcast_ps((const __m128 *)(x->s8 + 4 * b)), acc[t]);
+            const __m256i p = dot4_u8s8(aw, _mm256_sign_epi8(xv, wv));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ps((const __m128 *)(x->s8 + 4 * b)), acc[t]);
         }
     }
     const float sc = bf(L->sz[n]);

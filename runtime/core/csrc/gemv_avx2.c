@@ -1,5 +1,6 @@
 /* The decode products (GEMV, rows [r0, r1) of y = W x) on AVX2: int4 and lut4 x paired int8
- * activations (maddubs), int8 x int8 (sign trick + maddubs). The portable reference is gemv.c. */
+ * activations (maddubs, or vpdpbusd where VNNI is: SQ_DPBUSD256), int8 x int8 (sign trick). The
+ * portable reference is gemv.c. */
 #ifdef SQ_AVX2
 /* one 64-column step p of a weight row (the decode products and the prompt GEMM, gemm_avx2.c): the
  * unsigned operands (lo, hi: the nibbles, or for lut4 the |levels| they pick from tab) and for
@@ -19,13 +20,18 @@ static inline __attribute__((always_inline)) void wstep_avx2(const uint8_t *w, i
  * products of up to 127 x 127 overflow int16 together) */
 static inline __attribute__((always_inline)) __m256i xstep_avx2(const int8_t *xq, int64_t p, __m256i lo, __m256i hi,
                                                                 __m256i tl, __m256i th, const int LUT) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + 64 * p));
     const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64 * p + 32));
+#ifdef SQ_DPBUSD256 /* int32 accumulation: no int16 step, the same sums */
+    if (LUT) return SQ_DPBUSD256(dot4_u8s8(lo, _mm256_sign_epi8(xl, tl)), hi, _mm256_sign_epi8(xh, th));
+    return SQ_DPBUSD256(dot4_u8s8(lo, xl), hi, xh);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
     if (LUT)
         return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_sign_epi8(xl, tl)), ones),
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_sign_epi8(xh, th)), ones));
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
+#endif
 }
 
 /* int4 (LUT = 0) or lut4 (LUT = 1) x paired int8 activations, one row (g32: a scale per lane), for
@@ -185,7 +191,6 @@ static void gemv_l4_a8pair_avx2(const sq_linear *L, const sq_act *a, float *y, i
 static inline __attribute__((always_inline)) void row_q8_a8_avx2(const sq_linear *L, const sq_act *a, float *y, int64_t n,
                                                              const int R) {
     const int64_t K = L->k;
-    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *w = (const int8_t *)L->q + n * K;
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -195,8 +200,8 @@ static inline __attribute__((always_inline)) void row_q8_a8_avx2(const sq_linear
         for (int r = 0; r < R; r++) {
             __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * K + 32 * b));
             _mm_prefetch((const char *)(w + (r + 2 * R) * K + 32 * b), _MM_HINT_T0); /* two rows ahead */
-            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), xs, acc[r]);
+            const __m256i p = dot4_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), xs, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) y[n + r] = hsum8(acc[r]) * bf(L->sz[n + r]);

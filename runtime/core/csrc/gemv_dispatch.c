@@ -15,7 +15,11 @@ static void prep(const sq_linear *L, const float *x, sq_act *a) {
  * int4 and lut4 are indexed by sq_act.paired (0 natural, 1 AVX2 paired, 2 AVX512 quad: act.c). */
 typedef void (*gemv_fn)(const sq_linear *, const sq_act *, float *, int64_t, int64_t);
 static const gemv_fn GEMV_Q4[3] = {
+#ifdef SQ_NEON
+    gemv_q4_a8_neon, /* Arm: natural order, sdot (gemv_neon.c) */
+#else
     gemv_q4_a8_c,
+#endif
 #ifdef SQ_AVX2
     gemv_q4_a8pair_avx2,
 #else
@@ -28,7 +32,11 @@ static const gemv_fn GEMV_Q4[3] = {
 #endif
 };
 static const gemv_fn GEMV_L4[3] = {
+#ifdef SQ_NEON
+    gemv_l4_a8_neon,
+#else
     gemv_l4_a8_c,
+#endif
 #ifdef SQ_AVX2
     gemv_l4_a8pair_avx2,
 #else
@@ -44,6 +52,8 @@ static const gemv_fn GEMV_L4[3] = {
 static const gemv_fn GEMV_Q8 = gemv_q8_a8_avx512;
 #elif defined(SQ_AVX2)
 static const gemv_fn GEMV_Q8 = gemv_q8_a8_avx2;
+#elif defined(SQ_NEON)
+static const gemv_fn GEMV_Q8 = gemv_q8_a8_neon;
 #else
 static const gemv_fn GEMV_Q8 = gemv_q8_a8_c;
 #endif
@@ -112,6 +122,9 @@ static void rows_many(const sq_linear *L, const sq_act *a, int64_t M, float *Y, 
 #ifdef SQ_AVX512
     else if (is_q4(L) && a[0].paired == 2) many = gemv_4bit_a8quad_many_avx512;
 #endif
+#endif
+#if defined(SQ_NEON) && !defined(SQ_EXACT)
+    else if (is_q4(L)) many = gemv_4bit_a8_many_neon; /* two rows x four tokens a pass (gemv_neon.c) */
 #endif
     if (!many) {
         for (int64_t t = 0; t < M; t++) rows(L, a + t, Y + t * ldy, r0, r1);

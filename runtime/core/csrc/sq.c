@@ -10,7 +10,7 @@
  *
  * Products are W4A8: the activation vector is quantized to int8 with one scale per 8 columns
  * (scale = max|x| / 127, round to nearest; act.c), the code x activation dot products are exact
- * integers (AVX2 maddubs / AVX512-VNNI vpdpbusd: unsigned codes x signed activations), and
+ * integers (AVX2 maddubs / AVX-VNNI and AVX512-VNNI vpdpbusd: unsigned codes x signed activations), and
  *   y[n] = sum_g s[g,n] * (sum_{b in g} xs[b] * (dot(q_b, xq_b) - 8 sum(xq_b))) + z[g,n] * sum_{k in g} x[k]
  * (b: the 8-column sub-blocks). The -8 offset uses the quantized sums (it belongs to the codes:
  * exact sums there leave an uncancelled 8*s*sum(x^ - x) error, measured 4x the A8 KL); the zero
@@ -25,7 +25,8 @@
  * Files: sq_abi.h (the structs the binding fills), sq_simd.h (ISA switches, vector helpers),
  * act.c (activation quantization), work.c (the decode workspace), gemv*.c (decode products: portable reference, AVX2, AVX512,
  * gemv_tiles.c the batched step's opt-in int8 tile products over tile_model.c or AMX (gemv_amx.c),
- * and gemv_dispatch.c: the dispatch table and the work-stealing schedule), gemm*.c (prompt products; gemm_tiles.c the tile GEMM over tile_model.c or AMX), pointwise.c (norms, RoPE,
+ * and gemv_dispatch.c: the dispatch table and the work-stealing schedule; Arm: gemv_neon.c, gemm_neon.c
+ * with gemm_i8mm_neon.c, attention_neon.c, natural-order activations, sdot / smmla), gemm*.c (prompt products; gemm_tiles.c the tile GEMM over tile_model.c or AMX), pointwise.c (norms, RoPE,
  * activations, embedding rows), gdn.c (the Gated DeltaNet layer mixer: conv, delta-rule state, gated norm; its state loops on AVX512 / AVX2 in gdn_simd.c), attention*.c (attention.c decode attention: the portable reference,
  * the dispatch and the schedule, including its block kernels attention_avx2.c / attention_avx512.c;
  * attention_prompt.c prompt attention), head.c (top-k
@@ -43,6 +44,7 @@
 #include "gemv.c"
 #include "gemv_avx2.c"
 #include "gemv_avx512.c"
+#include "gemv_neon.c"
 #include "tile_model.c"
 #include "gemv_amx.c" /* the batched products on int8 tiles, gemv_tiles.c twice */
 #include "gemv_dispatch.c"
@@ -50,6 +52,7 @@
 #include "gemm_avx512.c"
 #include "gemm_bf16.c"
 #include "gemm_amx.c"
+#include "gemm_neon.c" /* and gemm_i8mm_neon.c */
 #include "gemm.c"
 #include "pointwise.c"
 #include "gdn.c"
@@ -89,12 +92,19 @@ const char *sq_abi_desc(void) {
     return buf;
 }
 
-/* The products this build has: 3 AVX512-VNNI, 2 AVX2, 0 portable */
+/* The products this build has: 4 AVX2 + AVX-VNNI, 3 AVX512-VNNI, 2 AVX2, 6 Arm dotprod + i8mm,
+ * 5 Arm dotprod, 0 portable */
 int sq_simd(void) {
 #if defined(SQ_AVX512)
     return 3;
+#elif defined(SQ_AVXVNNI)
+    return 4;
 #elif defined(SQ_AVX2)
     return 2;
+#elif defined(SQ_I8MM)
+    return 6;
+#elif defined(SQ_NEON)
+    return 5;
 #else
     return 0;
 #endif

@@ -1,8 +1,8 @@
 /* What every C-core file shares: the instruction-set switches and the vector helpers.
  *
- * SQ_AVX2 (AVX2 + FMA), SQ_AVX512 (AVX512 F/BW/VL + VNNI), SQ_BF16 (AVX512-BF16) and SQ_AMX (AMX
- * tiles, INT8 and BF16) follow the
- * compiler's target (-march=native, narrowed per build by runtime/core/builds.py); SQ_SCALAR forces
+ * SQ_AVX2 (AVX2 + FMA), SQ_AVXVNNI (AVX2 + AVX-VNNI), SQ_AVX512 (AVX512 F/BW/VL + VNNI), SQ_BF16
+ * (AVX512-BF16) and SQ_AMX (AMX tiles, INT8 and BF16) follow the compiler's target (each build's
+ * explicit ISA flags, runtime/core/builds.py); SQ_SCALAR forces
  * the portable C everywhere and SQ_EXACT (with it) fp32 activations (the tests' A8-free reference). */
 #ifndef SQ_SIMD_H
 #define SQ_SIMD_H
@@ -23,8 +23,22 @@
 #define SQ_AMX 1 /* prefill GEMM on AMX-BF16 tiles, int4 and lut4 (gemm_tiles.c, gemm_amx.c) */
 #endif
 #endif
+#elif defined(__AVXVNNI__) || (defined(SQ_VNNI_EVEX) && defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define SQ_AVXVNNI 1 /* AVX2 + AVX-VNNI (Alder Lake on, no AVX512): the AVX2 byte dots in VEX vpdpbusd
+                      * (SQ_VNNI_EVEX: the tests' avx2-vnni-evex build, the EVEX form) */
 #endif
 #include <immintrin.h>
+#endif
+/* Arm: SQ_NEON (armv8.2-a+dotprod: sdot decode products and prompt GEMM, gemv_neon.c / gemm_neon.c;
+ * decode attention, attention_neon.c)
+ * and SQ_I8MM (with +i8mm: the prompt GEMM on smmla, gemm_i8mm_neon.c); explicit -march flags
+ * per build (runtime/core/builds.py), never -march=native, so a wheel's library is what the tests ran */
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD) && !defined(SQ_SCALAR)
+#define SQ_NEON 1
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define SQ_I8MM 1
+#endif
+#include <arm_neon.h>
 #endif
 #include "sq_abi.h"
 
@@ -50,6 +64,25 @@ static inline int64_t res_row(const sq_linear *L, int64_t n) { return L->rmap ? 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 #ifdef SQ_AVX2
+/* acc + per int32 lane the sum of 4 products u (unsigned bytes) x s (signed bytes), one vpdpbusd
+ * where VNNI is: EVEX on 8 lanes (AVX512-VNNI + VL: the AVX2 products of AVX512 builds, and
+ * avx2-vnni-evex) or VEX (avx2-vnni). Without it, callers pair maddubs + madd: the same int32 sums, as their u <= 128
+ * (codes 0..15, |levels|, |int8 weights|) keep maddubs' int16 pair sums within +-32768. */
+#if defined(SQ_AVX512) || (defined(SQ_AVXVNNI) && defined(SQ_VNNI_EVEX))
+#define SQ_DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(SQ_AVXVNNI)
+#define SQ_DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+
+/* per int32 lane the 4-byte dot of u (unsigned, <= 128) and s (signed): exact either way */
+static inline __m256i dot4_u8s8(__m256i u, __m256i s) {
+#ifdef SQ_DPBUSD256
+    return SQ_DPBUSD256(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
