@@ -296,15 +296,18 @@ def dequant_reference(loaded, dtype=torch.float32):
 
 
 def kernel_builds(*builds, slow=()):
-    """pytest params over C-core builds (default: every ISA build), ids naming the build; a build
-    this CPU cannot run is a visible skip, never a silent pass; builds in `slow` are marked slow
+    """pytest params over C-core builds (default: every ISA build of this machine's architecture: the
+    Arm builds run under qemu in test_arm.py on x86), ids naming the build; a build this CPU cannot
+    run is a visible skip, never a silent pass; builds in `slow` are marked slow
     (`make test-all` runs them, `make test` does not). Use with the `kernel_build` fixture
     (conftest.py), which selects it through SPARKQ_KERNEL for the runtime under test."""
     import pytest
     from sparkq.runtime import core as K
 
     out = []
-    for b in builds or K.ISA_BUILDS:
+    import platform
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    for b in [b for b in builds or K.ISA_BUILDS if arm or b not in K.builds.ARM_BUILDS]:
         lacks = K.missing_features(b)
         marks = [pytest.mark.skip(reason=f"this CPU cannot run the {b} build (lacks {', '.join(lacks)})")] if lacks else []
         out.append(pytest.param(b, id=b, marks=marks + ([pytest.mark.slow] if b in slow else [])))
