@@ -4,10 +4,10 @@ Each round starts `sparkq serve` afresh (a restart) and sends one streamed compl
 SYSTEM-token prefix (text from CORPUS) and a question no earlier request had. Arm ``off``: a server
 without --prompt-cache (the whole prompt prefilled). Arm ``on``: a server with --prompt-cache DIR,
 which the warm-up request wrote (the prefix read back from the file, the rest prefilled). Arms
-alternate; the file stays in the page cache between rounds (a read from a cold disk adds its size
-over the disk's bandwidth).
+alternate; the file stays in the page cache between rounds, unless ``--cold`` drops it before each
+'on' round (the read then comes from the disk).
 
-``python tools/cachebench.py ART [--system 8000] [--rounds 3] [--corpus ../shared/corpus/wikitext2-valid.txt]``
+``python tools/cachebench.py ART [--system 8000] [--rounds 3] [--cold] [--corpus ../shared/corpus/wikitext2-valid.txt]``
 (sparkq on PATH) prints each round and the medians [min..max]."""
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ def _start(art: str, cache: str | None, ctx: int, budget: int) -> subprocess.Pop
     raise SystemExit("the server did not start")
 
 
+def _drop(cache: str) -> None:
+    """the files' pages out of the page cache (clean after the writer's fsync)"""
+    import os
+    for f in os.listdir(cache):
+        fd = os.open(os.path.join(cache, f), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
 def _ttft(ids: list[int]) -> tuple[float, int]:
     """seconds to the first streamed token, and the cached prompt tokens the final usage reports"""
     body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True,
@@ -67,6 +76,8 @@ def main(argv=None) -> None:
     ap.add_argument("--system", type=int, default=8000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=int, default=512, help="--kv-budget-mib (one slot)")
+    ap.add_argument("--cold", action="store_true", help="drop the cache files from the page cache before each "
+                    "'on' round (posix_fadvise DONTNEED): the read comes from the disk")
     ap.add_argument("--corpus", default="../shared/corpus/wikitext2-valid.txt")
     a = ap.parse_args(argv)
     ctx = a.system + 64
@@ -85,6 +96,8 @@ def main(argv=None) -> None:
         q = 1
         for r in range(a.rounds):
             for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                if arm == "on" and a.cold:
+                    _drop(cache)
                 p = _start(a.art, cache if arm == "on" else None, ctx, a.budget)
                 t, cached = _ttft(system + questions[q])
                 q += 1

@@ -199,8 +199,6 @@ class Engine(PrefixReuse):
             self.kept[best] = (r.ids, r.cached)  # the positions past it are about to be rewritten
             if self.snaps is not None:  # the state where the prompt continues
                 self.snaps.resume(best, r.cached)
-            if self.disk is not None and r.echo_logprobs is None:
-                self._from_disk(r, best)
             self.tick += 1
             self.last_used[best] = self.tick
             self.stats["cached"] += r.cached
@@ -308,6 +306,8 @@ class Engine(PrefixReuse):
                 dec = [r for r in self.running if r.filled == len(r.ids) and r.new]
             if pre is not None:  # one slice of the oldest unfinished prompt
                 if self.prefix_cache and pre.filled == pre.cached and pre.echo_logprobs is None:
+                    if self.disk is not None:
+                        self._from_disk(pre)
                     self._share(pre)
                 a = pre.filled  # slices end at multiples of the slice (prefix copies and snapshots line up)
                 b = min(len(pre.ids), (a // self.prefill_slice + 1) * self.prefill_slice)

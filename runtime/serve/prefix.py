@@ -85,15 +85,17 @@ class Snapshots:
 class PrefixReuse:
     """The engine's prefix cache (engine.py): a slot's kept prompt, another slot's, a file's."""
 
-    def _from_disk(self, r, slot: int) -> None:
-        """(under the lock) a longer prefix of r's prompt than its slot holds, read from a file"""
+    def _from_disk(self, r) -> None:
+        """(engine thread, r at the start of its prompt) a longer prefix of r's prompt than its slot
+        holds, read from a file into the slot (outside the lock: submitting requests never waits)"""
         n, e = self.disk.lookup(r.ids, self.reuse_grid)
-        if n > r.cached and self.disk.restore(e, n, slot):
+        if n > r.cached and self.disk.restore(e, n, r.slot):
             if self.snaps is not None:
-                self.snaps.take(slot, n)  # the state restore() put in the slot
-            self.stats["cached"] += n - r.cached
-            r.cached = r.filled = n
-            self.kept[slot] = (r.ids, n)
+                self.snaps.take(r.slot, n)  # the state restore() put in the slot
+            with self.cv:
+                self.stats["cached"] += n - r.cached
+                r.cached = r.filled = n
+                self.kept[r.slot] = (r.ids, n)
 
     def _reusable(self, slot: int, ids: list[int]) -> int:
         """prompt tokens of ids whose K/V slot already holds (and, in a hybrid model, a state copy at)"""
