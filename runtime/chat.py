@@ -8,15 +8,16 @@ conversation's first turn starts from the longest prefix a file holds (a system 
 after a restart) and its prompt, all of it prompt-path positions, goes to a file."""
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import RuntimeUserError
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a, b) -> int:
+    """How many leading token ids two sequences (lists or arrays) share."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
 
 
 class ChatSession:

@@ -43,8 +43,9 @@ def _pad(n: int) -> int:
 
 
 def write(path: Path, key: str, ids: list[int], n: int, arrays: dict[str, np.ndarray],
-          states: dict[int, list[str]] | None = None, chunk: int = 1 << 24) -> int:
-    """Write arrays (name -> array) for the first n of ids atomically to path; returns its size.
+          states: dict[int, list[str]] | None = None, chunk: int = 1 << 24) -> tuple[dict, int]:
+    """Write arrays (name -> array) for the first n of ids atomically to path; returns (its header,
+    the payload's offset), as read_header gives them.
     ``states``: recurrent-state position -> the names of the arrays holding that state."""
     descs, off = [], 0
     for name, a in arrays.items():
@@ -56,9 +57,9 @@ def write(path: Path, key: str, ids: list[int], n: int, arrays: dict[str, np.nda
     for a in arrays.values():
         h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
         h.update(bytes(_pad(a.nbytes)))
-    header = json.dumps({K_KEY: key, K_IDS: [int(t) for t in ids], K_N: int(n), K_ARRAYS: descs,
-                         K_PAYLOAD_SHA: h.hexdigest(), K_STATES: {str(p): v for p, v in (states or {}).items()}},
-                        separators=(",", ":")).encode()
+    fields = {K_KEY: key, K_IDS: [int(t) for t in ids], K_N: int(n), K_ARRAYS: descs, K_PAYLOAD_SHA: h.hexdigest(),
+              K_STATES: {str(p): v for p, v in (states or {}).items()}}
+    header = json.dumps(fields, separators=(",", ":")).encode()
     head = _FIXED.pack(MAGIC, VERSION, len(header), hashlib.sha256(header).digest()) + header
     head += bytes(_pad(len(head)))
     tmp = path.with_name(f"{path.name[:-len(SUFFIX)]}.{os.getpid()}{TEMP_SUFFIX}")
@@ -76,7 +77,7 @@ def write(path: Path, key: str, ids: list[int], n: int, arrays: dict[str, np.nda
     finally:
         if tmp.exists():
             tmp.unlink()
-    return len(head) + off
+    return fields, len(head)
 
 
 def read_header(path: Path) -> tuple[dict, int]:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..formats.constants import MANIFEST_FILE
 from . import kvfile
+from .chat import common_prefix
 
 PROMPT_CACHE_MIB = 4096  # DIR's bound by default
 MIN_TOKENS = 256  # shorter prompts are not written (prefilling them costs about what a read does)
@@ -61,15 +62,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def kv_views(model, slot: int, n: int) -> dict[str, np.ndarray]:
-    """The slot's first n positions of each KV array, by file name (views: [layers, kv_heads, n(,
-    head_dim)], or per layer where layers differ in head dim)"""
+def kv_views(model, slot: int, n: int, a: int = 0) -> dict[str, np.ndarray]:
+    """The slot's positions a..n-1 of each KV array, by file name (views: [layers, kv_heads, n - a(,
+    head_dim)], or per layer where layers differ in head dim; K, V and an int8 cache's scales)"""
     out = {}
     for name, arr in (("k", model.k), ("v", model.v), ("k_scale", model.k_scale), ("v_scale", model.v_scale)):
         if isinstance(arr, list):
-            out.update({f"{name}.{i}": x[slot, :, :n] for i, x in enumerate(arr)})
+            out.update({f"{name}.{i}": x[slot, :, a:n] for i, x in enumerate(arr)})
         elif arr is not None:
-            out[name] = arr[:, slot, :, :n]
+            out[name] = arr[:, slot, :, a:n]
     return out
 
 
@@ -152,10 +153,7 @@ class PromptCache:
         with self.lock:
             entries = list(self.entries.values())
         for e in entries:
-            m = min(len(e.ids), limit)
-            diff = np.flatnonzero(e.ids[:m] != want[:m])
-            m = int(diff[0]) if diff.size else m
-            m = m // grid * grid
+            m = common_prefix(e.ids, want) // grid * grid
             if self.recurrent:
                 m = max((p for p in e.states if p <= m), default=0)
             if m > best:
@@ -223,8 +221,7 @@ class PromptCache:
             return
         name = hashlib.sha256(self.key.encode() + ids.tobytes()).hexdigest()[:40] + kvfile.SUFFIX
         path = self.dir / name
-        kvfile.write(path, self.key, ids.tolist(), len(ids), arrays, states)
-        header, start = kvfile.read_header(path)
+        header, start = kvfile.write(path, self.key, ids.tolist(), len(ids), arrays, states)
         new = Entry(path, ids, sorted(states), header, start)
         with self.lock:  # files this one holds all of are dropped
             old = [e for e in self.entries.values() if e.path != path and len(e.ids) <= len(ids)

@@ -75,7 +75,9 @@ def _link_site(dists, dest: Path) -> None:
                 (dest / top).symlink_to(src)
 
 
-def test_torch_free_install_generates_from_a_rows32_artifact(wheel, tiny_tied_art, tmp_path):
+def venv_with(wheel: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(venv, its python): a fresh venv with the wheel installed and its base dependencies (no torch,
+    no gguf) linked in from this environment (no network)"""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -87,6 +89,11 @@ def test_torch_free_install_generates_from_a_rows32_artifact(wheel, tiny_tied_ar
     _link_site(dists, tmp_path / "deps")
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "sparkq_base_deps.pth").write_text(str(tmp_path / "deps") + "\n")
+    return venv, py
+
+
+def test_torch_free_install_generates_from_a_rows32_artifact(wheel, tiny_tied_art, tmp_path):
+    venv, py = venv_with(wheel, tmp_path)
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "SPARKQ_CACHE": str(tmp_path / "cache"),
            "HF_HUB_OFFLINE": "1"}
     if os.environ.get("CC"):

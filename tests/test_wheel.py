@@ -67,15 +67,8 @@ def test_x86_wheel_generates_without_a_compiler_on_a_prebuilt_library(dist, tiny
     whl = next(dist.glob("sparkq-*x86_64.whl"))
     m = _contents(whl, "x86_64")
     assert {"amx", "avx512-bf16", "avx512-vnni", "avx2-vnni", "avx2", "scalar"} <= set(m["builds"])
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
-                        str(whl)], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-2000:]
-    TI._link_site(TI._base_closure(whl), tmp_path / "deps")  # the base dependencies (no torch), linked
+    venv, py = TI.venv_with(whl, tmp_path)  # the base dependencies (no torch), linked
     site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "sparkq_base_deps.pth").write_text(str(tmp_path / "deps") + "\n")
     cache = tmp_path / "cache"
     env = {"PATH": str(venv / "bin"), "CC": "/nonexistent", "HOME": str(tmp_path), "SPARKQ_CACHE": str(cache),
            "HF_HUB_OFFLINE": "1"}

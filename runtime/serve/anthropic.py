@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .protocol import CHAT, BadRequest, unsupported
-from .responses import Collected, EventStream
+from .responses import Collected, EventStream, reply_parts
 
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "metadata",
           "stream", "tools", "tool_choice", "thinking", "output_config", "cache_control", "service_tier"}
@@ -304,7 +304,6 @@ async def events(app, req, q):
     r = Reply(app, req)
     yield r.event("message_start", message=r.message())
     yield r.event("ping")
-    held: list[str] = []
 
     def grow(kind: str, text: str) -> bytes:
         out = b""
@@ -314,30 +313,14 @@ async def events(app, req, q):
             out += r.open({"type": kind, kind: ""})
         return out + r.delta(text)
 
-    while True:
-        _, ev = await q.get()
-        if "gone" in ev:
+    async for kind, part in reply_parts(req, q, r.calls):
+        if kind == "error":
+            yield r.event("error", error={"type": "api_error", "message": part})
             return
-        if "error" in ev:
-            yield r.event("error", error={"type": "api_error", "message": ev["error"]})
-            return
-        if "delta" in ev:
-            reasoning, content = req.split.feed(ev["delta"])
-            if reasoning:
-                yield grow("thinking", reasoning)
-            if req.tool:  # a reply that may call tools: its text is parsed at the end
-                held.append(content)
-            elif content:
-                yield grow("text", content)
+        if kind != "end":
+            yield grow("thinking" if kind == "reasoning" else "text", part)
             continue
-        if "finish" not in ev:
-            continue
-        reasoning, content = req.split.feed("", last=True)
-        if reasoning:
-            yield grow("thinking", reasoning)
-        calls = []
-        if req.tool:
-            content, calls = r.calls("".join(held) + content)
+        ev, content, calls = part
         if content:
             yield grow("text", content)
         for call in calls:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .protocol import CHAT, INFORMATIONAL, REASONING_EFFORTS, BadRequest, error, unsupported
-from .responses import Collected, EventStream
+from .responses import Collected, EventStream, reply_parts
 
 SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
             "logit_bias", "seed", "stop", "ignore_eos"}  # (beyond OpenAI's two, as chat takes them)
@@ -260,7 +260,6 @@ async def events(app, req, q, body: dict, meta: dict):
     yield r.event("response.created", response=r.response("in_progress"))
     yield r.event("response.in_progress", response=r.response("in_progress"))
     items: dict[str, dict] = {}  # the open reasoning / message item
-    held: list[str] = []
 
     def grow(kind: str, text: str) -> bytes:
         out = b""
@@ -271,30 +270,14 @@ async def events(app, req, q, body: dict, meta: dict):
             out += opened
         return out + r.delta(items[kind], text)
 
-    while True:
-        _, ev = await q.get()
-        if "gone" in ev:
+    async for kind, part in reply_parts(req, q, r.calls):
+        if kind == "error":
+            yield r.event("error", code="server_error", message=part, param=None)
             return
-        if "error" in ev:
-            yield r.event("error", code="server_error", message=ev["error"], param=None)
-            return
-        if "delta" in ev:
-            reasoning, content = req.split.feed(ev["delta"])
-            if reasoning:
-                yield grow("reasoning", reasoning)
-            if req.tool:  # a reply that may call tools: its text is parsed at the end
-                held.append(content)
-            elif content:
-                yield grow("message", content)
+        if kind != "end":
+            yield grow("message" if kind == "content" else "reasoning", part)
             continue
-        if "finish" not in ev:
-            continue
-        reasoning, content = req.split.feed("", last=True)
-        if reasoning:
-            yield grow("reasoning", reasoning)
-        calls = []
-        if req.tool:
-            content, calls = r.calls("".join(held) + content)
+        ev, content, calls = part
         if content or (not calls and "message" not in items):
             yield grow("message", content)
         for kind in ("reasoning", "message"):

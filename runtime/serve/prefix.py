@@ -1,8 +1,12 @@
-"""The prefix cache's two operations (engine.py): how much of a prompt a slot's kept prompt-path
-positions already hold, and copying such positions from one slot to another."""
+"""The engine's prefix cache (engine.py): how much of a prompt a slot's kept prompt-path positions
+already hold, copying such positions from one slot to another, a hybrid model's state copies
+(Snapshots), and the engine's side of it (PrefixReuse: a slot's, another slot's, a file's prefix)."""
 from __future__ import annotations
 
 import numpy as np
+
+from ..chat import common_prefix
+from ..promptcache import kv_views
 
 
 def shared_prefix(have: list[int], n: int, ids: list[int], grid: int) -> int:
@@ -10,23 +14,13 @@ def shared_prefix(have: list[int], n: int, ids: list[int], grid: int) -> int:
     by the prompt path), cut to whole slices of grid tokens; never the last one of ids (its logits
     start the answer)."""
     n = min(n, len(ids) - 1)
-    if n <= 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(have[:n]) != np.asarray(ids[:n]))
-    n = int(diff[0]) if diff.size else n
-    return n // grid * grid
+    return common_prefix(have[:n], ids[:n]) // grid * grid if n > 0 else 0
 
 
 def copy_positions(model, src: int, dst: int, a: int, b: int) -> None:
-    """positions a..b-1 of KV slot src into slot dst, in every layer (K, V and an int8 cache's
-    scales: LiteModel's [layers, slots, kv_heads, cap(, head_dim)] arrays, or per-layer lists of
-    [slots, kv_heads, cap(, head_dim)] where layers differ in head dim)"""
-    for arr in (model.k, model.v, model.k_scale, model.v_scale):
-        if isinstance(arr, list):
-            for x in arr:
-                x[dst, :, a:b] = x[src, :, a:b]
-        elif arr is not None:
-            arr[:, dst, :, a:b] = arr[:, src, :, a:b]
+    """positions a..b-1 of KV slot src into slot dst, in every layer (K, V and an int8 cache's scales)"""
+    for d, s in zip(kv_views(model, dst, b, a).values(), kv_views(model, src, b, a).values()):
+        d[...] = s
 
 
 SNAPSHOTS = 4  # per slot: a hybrid model's recurrent states kept at slice boundaries (the latest ones)

@@ -239,3 +239,32 @@ class Collected:
             await resp(scope, receive, send)
         except OSError:
             pass
+
+
+async def reply_parts(req, q, calls_of):
+    """One streamed chat reply's parts as its events arrive (the Responses and Messages APIs' event
+    loops): ("reasoning", text) and ("content", text) as they grow (a reply that may call tools
+    holds its content to the end), then ("end", (final event, content, tool calls)), or ("error",
+    message); nothing more once the client went away. calls_of(text) -> (content, calls)."""
+    held: list[str] = []
+    while True:
+        _, ev = await q.get()
+        if "gone" in ev:
+            return
+        if "error" in ev:
+            yield "error", ev["error"]
+            return
+        if "delta" not in ev and "finish" not in ev:
+            continue
+        last = "finish" in ev
+        reasoning, content = req.split.feed("" if last else ev["delta"], last=last)
+        if reasoning:
+            yield "reasoning", reasoning
+        if req.tool:  # its text is parsed at the end
+            held.append(content)
+        elif content and not last:
+            yield "content", content
+        if last:
+            content, calls = calls_of("".join(held)) if req.tool else (content, [])
+            yield "end", (ev, content, calls)
+            return
